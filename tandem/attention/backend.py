@@ -1,0 +1,66 @@
+"""Attention backend interface, registry and selector.
+
+A backend is a class with capability flags and a forward over the paged cache. `supports_pcp()`
+states what the forward really does: True only when each query segment's causal prefix is read
+from the paged cache after the step's (gathered) K/V write, so a segment on any rank sees every
+earlier token.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from tandem.attention.metadata import AttentionMetadata
+
+ATTENTION_KINDS = ("full_attention", "mla_attention")
+
+
+class AttentionBackend:
+    name: ClassVar[str]
+    kinds: ClassVar[tuple[str, ...]]
+
+    @classmethod
+    def supports_pcp(cls) -> bool:
+        raise NotImplementedError
+
+    @staticmethod
+    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+
+_REGISTRY: dict[str, type[AttentionBackend]] = {}
+
+
+def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def registered_backends() -> dict[str, type[AttentionBackend]]:
+    import tandem.attention.backends  # noqa: F401  (registers the built-in backends)
+
+    return dict(_REGISTRY)
+
+
+def select_backend(kind: str, requested: str | None, use_pcp: bool) -> type[AttentionBackend]:
+    """The backend for one attention kind: the requested one if it can serve, else the first capable."""
+    if kind not in ATTENTION_KINDS:
+        raise ValueError(f"attention kind {kind!r} is not supported: one of {', '.join(ATTENTION_KINDS)}")
+    backends = registered_backends()
+    if requested is not None:
+        cls = backends.get(requested)
+        if cls is None:
+            raise ValueError(f"attention backend {requested!r} is unknown: one of {', '.join(sorted(backends))}")
+        if kind not in cls.kinds:
+            raise ValueError(f"attention backend {requested!r} does not serve {kind}: it serves "
+                             f"{', '.join(cls.kinds)}")
+        if use_pcp and not cls.supports_pcp():
+            raise ValueError(f"attention backend {requested!r} does not support prefill context parallelism")
+        return cls
+    for cls in backends.values():
+        if kind in cls.kinds and (cls.supports_pcp() or not use_pcp):
+            return cls
+    raise ValueError(f"no attention backend serves {kind} with use_pcp={use_pcp}")

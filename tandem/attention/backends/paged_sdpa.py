@@ -1,0 +1,34 @@
+"""PAGED_SDPA: GQA/MHA over a paged K/V cache [2, num_blocks, block_size, num_kv_heads, head_dim]."""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.attention.backend import AttentionBackend, register_backend
+from tandem.attention.backends.prefix import prefix_attention, write_kv
+from tandem.attention.metadata import AttentionMetadata
+
+
+@register_backend
+class PagedSDPABackend(AttentionBackend):
+    name = "PAGED_SDPA"
+    kinds = ("full_attention",)
+
+    @classmethod
+    def supports_pcp(cls) -> bool:
+        return True  # every row's prefix is read back from the cache after the write
+
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+    @staticmethod
+    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        # q: [T, Hq, D]; k, v: [T, Hkv, D]
+        assert v is not None
+        k_flat = kv_cache[0].flatten(0, 1)  # [num_slots, Hkv, D]
+        v_flat = kv_cache[1].flatten(0, 1)
+        write_kv(k_flat, k, meta)
+        write_kv(v_flat, v, meta)
+        return prefix_attention(q, k_flat, v_flat, meta, scale)

@@ -1,0 +1,41 @@
+"""The scoped per-step context that attention layers read: metadata and the backend per kind.
+
+`with forward_context(meta, backends): model(...)` — not nestable, so a stale context can never
+leak into the next step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from tandem.attention.backend import AttentionBackend
+from tandem.attention.metadata import AttentionMetadata
+
+
+@dataclass
+class ForwardContext:
+    attn_metadata: AttentionMetadata
+    backends: dict[str, type[AttentionBackend]]  # attention kind -> backend
+
+
+_CURRENT: ForwardContext | None = None
+
+
+@contextmanager
+def forward_context(meta: AttentionMetadata, backends: dict[str, type[AttentionBackend]]) -> Iterator[None]:
+    global _CURRENT
+    if _CURRENT is not None:
+        raise RuntimeError("forward_context is not nestable")
+    _CURRENT = ForwardContext(meta, backends)
+    try:
+        yield
+    finally:
+        _CURRENT = None
+
+
+def get_forward_context() -> ForwardContext:
+    if _CURRENT is None:
+        raise RuntimeError("attention ran outside forward_context()")
+    return _CURRENT

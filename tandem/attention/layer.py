@@ -1,0 +1,69 @@
+"""Attention modules that models instantiate; the backend and metadata come from the forward context.
+
+Each module owns its paged KV cache tensor (`kv_cache`, bound by the model runner after
+allocation) and declares `kind` and `kv_spec()` so the runner can size and allocate it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tandem.attention.forward_context import get_forward_context
+
+
+class Attention(nn.Module):
+    """GQA/MHA: q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D]."""
+
+    kind = "full_attention"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.kv_cache = torch.empty(0)
+
+    def kv_spec(self) -> tuple[int, int]:
+        return self.num_kv_heads, self.head_dim
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ctx = get_forward_context()
+        t = q.shape[0]
+        out = ctx.backends[self.kind].forward(
+            q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
+            v.view(t, self.num_kv_heads, self.head_dim), self.kv_cache, ctx.attn_metadata, self.scale)
+        return out.reshape(t, self.num_heads * self.head_dim)
+
+
+class MLAAttention(nn.Module):
+    """Multi-head latent attention in absorbed form.
+
+    Scores q_nope.(W_UK kv_c) + q_pe.k_pe are computed as (q_nope W_UK).kv_c + q_pe.k_pe, so the cache
+    holds only the latent kv_c and the rotated k_pe; the output o_latent is up-projected by W_UV.
+    `kv_b_weight` is kv_b_proj's weight [H * (nope + v), L] (this rank's heads).
+    """
+
+    kind = "mla_attention"
+
+    def __init__(self, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
+                 v_head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads, self.kv_lora_rank = num_heads, kv_lora_rank
+        self.nope_dim, self.rope_dim, self.v_dim, self.scale = qk_nope_head_dim, qk_rope_head_dim, v_head_dim, scale
+        self.kv_cache = torch.empty(0)
+
+    def kv_spec(self) -> tuple[int, int]:
+        return self.kv_lora_rank, self.rope_dim
+
+    def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                kv_b_weight: torch.Tensor) -> torch.Tensor:
+        # q_nope: [T, H, nope]; q_pe: [T, H, rope]; kv_c: [T, L] (normed); k_pe: [T, rope] (rotated)
+        ctx = get_forward_context()
+        w = kv_b_weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        w_uk, w_uv = w[:, : self.nope_dim], w[:, self.nope_dim:]  # [H, nope, L], [H, v, L]
+        q_latent = torch.einsum("thd,hdl->thl", q_nope, w_uk)  # [T, H, L]
+        q = torch.cat((q_latent, q_pe), dim=-1)  # [T, H, L + rope]
+        entries = torch.cat((kv_c, k_pe), dim=-1)  # [T, L + rope]
+        o_latent = ctx.backends[self.kind].forward(q, entries, entries[:, : self.kv_lora_rank], self.kv_cache,
+                                                   ctx.attn_metadata, self.scale)  # [T, H, L]
+        out = torch.einsum("thl,hvl->thv", o_latent, w_uv)  # [T, H, v]
+        return out.reshape(q.shape[0], self.num_heads * self.v_dim)

@@ -1,0 +1,80 @@
+"""Per-step attention metadata shared by every layer, and the prefix-gather plan built from it.
+
+A "row" is one query segment: a request's new tokens in this step (or, under PCP, one rank-local
+piece of them). Row i owns query tokens [query_start_loc[i], query_start_loc[i+1]) whose absolute
+positions are `positions[...]`, and may attend to cached keys at positions [0, seq_lens[i]) read
+through `block_table[i]`. Causality is decided from positions, never from row offsets, so a row
+that starts mid-prompt (chunked prefill, a PCP segment) needs nothing special.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PAD_SLOT_ID = -1  # slot_mapping value meaning "write nothing"
+
+
+@dataclass
+class PrefixGroup:
+    """Rows attended in one batched SDPA call, padded to a common query and key length."""
+
+    token_idx: torch.Tensor  # [G, Q] int64 rows of q to gather (padding repeats a valid row)
+    token_valid: torch.Tensor  # [G, Q] bool
+    kv_slots: torch.Tensor  # [G, S] int64 flat cache slots of keys 0..S-1 (padding -> slot 0)
+    mask: torch.Tensor  # [G, 1, Q, S] bool, True = may attend
+
+
+@dataclass
+class AttentionMetadata:
+    positions: torch.Tensor  # [num_tokens] int64
+    query_start_loc_cpu: torch.Tensor  # [num_rows + 1] int32
+    seq_lens_cpu: torch.Tensor  # [num_rows] int32, keys visible to each row after this step's write
+    block_table: torch.Tensor  # [num_rows, max_num_blocks] int32
+    slot_mapping: torch.Tensor  # [num_tokens] int64, PAD_SLOT_ID = no write
+    block_size: int
+    groups: list[PrefixGroup]
+    write_rows: torch.Tensor  # [num_writes] int64 token rows whose K/V are written
+    write_slots: torch.Tensor  # [num_writes] int64 their cache slots
+
+
+def build_attention_metadata(positions: torch.Tensor, query_start_loc_cpu: torch.Tensor,
+                             seq_lens_cpu: torch.Tensor, block_table: torch.Tensor,
+                             slot_mapping: torch.Tensor, block_size: int) -> AttentionMetadata:
+    writes = slot_mapping >= 0
+    return AttentionMetadata(
+        positions=positions, query_start_loc_cpu=query_start_loc_cpu, seq_lens_cpu=seq_lens_cpu,
+        block_table=block_table, slot_mapping=slot_mapping, block_size=block_size,
+        groups=_plan_groups(positions, query_start_loc_cpu, seq_lens_cpu, block_table, block_size),
+        write_rows=writes.nonzero().squeeze(1), write_slots=slot_mapping[writes])
+
+
+def _plan_groups(positions: torch.Tensor, qsl: torch.Tensor, seq_lens: torch.Tensor,
+                 block_table: torch.Tensor, block_size: int) -> list[PrefixGroup]:
+    # One-token rows (decodes) are batched together; each longer row is its own group, so a
+    # decode never pads up to a prefill chunk's length.
+    q_lens = (qsl[1:] - qsl[:-1]).tolist()
+    singles = [i for i, n in enumerate(q_lens) if n == 1]
+    groups = [singles] if singles else []
+    groups += [[i] for i, n in enumerate(q_lens) if n > 1]
+    return [_group(rows, positions, qsl, seq_lens, block_table, block_size) for rows in groups]
+
+
+def _group(rows: list[int], positions: torch.Tensor, qsl: torch.Tensor, seq_lens: torch.Tensor,
+           block_table: torch.Tensor, block_size: int) -> PrefixGroup:
+    device = positions.device
+    idx = torch.tensor(rows, dtype=torch.int64)
+    starts, lens = qsl[idx].long(), (qsl[idx + 1] - qsl[idx]).long()
+    q_max, s_max = int(lens.max()), int(seq_lens[idx].max())
+    q_off = torch.arange(q_max)
+    token_valid = q_off[None, :] < lens[:, None]  # [G, Q]
+    token_idx = (starts[:, None] + torch.minimum(q_off[None, :], lens[:, None] - 1)).to(device)
+    k_pos = torch.arange(s_max, device=device)  # [S]
+    blocks = block_table[idx.to(device)][:, k_pos // block_size].long()  # [G, S]
+    k_valid = k_pos[None, :] < seq_lens[idx].to(device)[:, None]
+    kv_slots = torch.where(k_valid, blocks * block_size + k_pos % block_size, 0)
+    q_pos = positions[token_idx]  # [G, Q]
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & k_valid[:, None, :]
+    return PrefixGroup(token_idx=token_idx, token_valid=token_valid.to(device), kv_slots=kv_slots,
+                       mask=mask.unsqueeze(1))

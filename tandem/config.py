@@ -1,0 +1,188 @@
+"""One frozen config tree for the engine, built from user arguments and the checkpoint's config.json.
+
+`EngineConfig.validate()` is the single place where combinations are checked; every error names
+the field, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+class ConfigError(ValueError):
+    """A configuration value is not allowed; the message names the field, the value and the choices."""
+
+
+def _fail(field_name: str, value: Any, allowed: str) -> None:
+    raise ConfigError(f"{field_name}={value!r} is not allowed: {allowed}")
+
+
+def resolve_dtype(name: str | torch.dtype, checkpoint_dtype: str | None) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        # Like vLLM: keep the checkpoint's dtype but compute float16/bfloat16 on CPU as float32
+        # only when asked; "auto" takes the checkpoint's own dtype, float32 if it names none.
+        return _DTYPES.get(checkpoint_dtype or "float32", torch.float32)
+    if name not in _DTYPES:
+        _fail("dtype", name, f"one of auto, {', '.join(sorted(_DTYPES))}")
+    return _DTYPES[name]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str
+    hf: SimpleNamespace  # config.json as attributes (nested dicts stay dicts)
+    architecture: str
+    dtype: torch.dtype
+    max_model_len: int
+    seed: int = 0
+
+    @staticmethod
+    def from_path(model: str, dtype: str | torch.dtype = "auto", max_model_len: int | None = None,
+                  seed: int = 0) -> ModelConfig:
+        path = Path(model)
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ConfigError(f"model={model!r}: no config.json found; MODEL must be a local Hugging Face "
+                              "folder with config.json, *.safetensors and tokenizer.json")
+        try:
+            raw = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"model={model!r}: config.json is not valid JSON: {e}") from e
+        archs = raw.get("architectures") or []
+        if not isinstance(archs, list) or len(archs) != 1:
+            _fail("config.json architectures", archs, "a list with exactly one architecture name")
+        hf = SimpleNamespace(**raw)
+        limit = getattr(hf, "max_position_embeddings", None) or 2048
+        if max_model_len is None:
+            max_model_len = limit
+        torch_dtype = raw.get("torch_dtype") or raw.get("dtype")
+        return ModelConfig(model=str(path), hf=hf, architecture=archs[0],
+                           dtype=resolve_dtype(dtype, torch_dtype), max_model_len=int(max_model_len),
+                           seed=seed)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return getattr(self.hf, name, default)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # KV pool size in blocks; None sizes it from kv_cache_memory_bytes.
+    num_gpu_blocks: int | None = None
+    kv_cache_memory_bytes: int = 1 << 30
+    cache_dtype: str = "auto"
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    prefill_context_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.prefill_context_parallel_size
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str | None = None
+    num_speculative_tokens: int = 0
+    draft_sample_method: str = "greedy"
+    attention_backend: str | None = None
+    model: str | None = None
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    backend: str | None = None
+    # attention kind ("full_attention", "mla_attention", ...) -> backend name
+    backend_per_kind: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    cudagraph_mode: str = "NONE"
+    cudagraph_capture_sizes: tuple[int, ...] = ()
+
+
+CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL")
+SPEC_METHODS = ("mtp", "dspark", "ngram")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    attention_config: AttentionConfig = field(default_factory=AttentionConfig)
+    compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
+    device: str = "cpu"
+
+    def validate(self) -> EngineConfig:
+        m, c, s, p = self.model_config, self.cache_config, self.scheduler_config, self.parallel_config
+        if m.max_model_len < 1:
+            _fail("max_model_len", m.max_model_len, "a positive integer")
+        limit = m.get("max_position_embeddings")
+        if limit is not None and m.max_model_len > limit and not m.get("rope_scaling"):
+            _fail("max_model_len", m.max_model_len,
+                  f"at most the model's max_position_embeddings ({limit})")
+        if c.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            _fail("block_size", c.block_size, "a power of two from 1 to 256")
+        if c.num_gpu_blocks is not None and c.num_gpu_blocks < 1:
+            _fail("num_gpu_blocks", c.num_gpu_blocks, "a positive integer or None")
+        if s.max_num_seqs < 1:
+            _fail("max_num_seqs", s.max_num_seqs, "a positive integer")
+        if s.max_num_batched_tokens < 1:
+            _fail("max_num_batched_tokens", s.max_num_batched_tokens, "a positive integer")
+        if not s.enable_chunked_prefill and s.max_num_batched_tokens < m.max_model_len:
+            _fail("max_num_batched_tokens", s.max_num_batched_tokens,
+                  f"at least max_model_len ({m.max_model_len}) when chunked prefill is off")
+        for name in ("tensor_parallel_size", "prefill_context_parallel_size"):
+            if getattr(p, name) < 1:
+                _fail(name, getattr(p, name), "a positive integer")
+        sp = self.speculative_config
+        if sp.method is not None and sp.method not in SPEC_METHODS:
+            _fail("speculative_config.method", sp.method, f"one of {', '.join(SPEC_METHODS)}")
+        if self.compilation_config.cudagraph_mode not in CUDAGRAPH_MODES:
+            _fail("compilation_config.cudagraph_mode", self.compilation_config.cudagraph_mode,
+                  f"one of {', '.join(CUDAGRAPH_MODES)}")
+        return self
+
+
+def config_fields(cls: type) -> set[str]:
+    return {f.name for f in fields(cls)}
+
+
+__all__ = [
+    "AttentionConfig", "CacheConfig", "CompilationConfig", "ConfigError", "EngineConfig", "ModelConfig",
+    "ParallelConfig", "SchedulerConfig", "SpeculativeConfig", "config_fields", "replace", "resolve_dtype",
+]

@@ -1,0 +1,47 @@
+"""Process-group handles passed to layers; every collective here is a no-op at size 1.
+
+Layers never look up ranks globally: they receive a `Group` (rank, size, torch ProcessGroup).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Group:
+    rank: int = 0
+    size: int = 1
+    group: dist.ProcessGroup | None = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """Concatenate every rank's `x` along `dim` (all ranks pass the same shape)."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+
+SINGLE = Group()
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """The groups one rank belongs to; world = TP x PCP with TP fastest."""
+
+    tp: Group = SINGLE
+    pcp: Group = SINGLE
+    ep: Group = SINGLE
+
+
+SINGLE_RANK = ParallelGroups()

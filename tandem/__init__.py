@@ -1,0 +1,7 @@
+"""tandem: a compact LLM inference engine — prefill context parallelism + speculative decoding."""
+
+from tandem.entrypoints.llm import LLM
+from tandem.outputs import CompletionOutput, RequestOutput
+from tandem.sampling_params import SamplingParams
+
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]

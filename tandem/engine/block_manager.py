@@ -1,0 +1,118 @@
+"""Paged KV block allocation with reference counts and hash-based prefix caching.
+
+A full block's hash chains its parent's hash with its token ids, so equal hashes mean equal
+prefixes. Freed blocks keep their hash and go to the back of the free queue: they can be revived
+by a later prefix hit until they are handed out again (then their hash is forgotten).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tandem.engine.request import Request
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+
+def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((parent, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_ids: deque[int] = deque(range(num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_ids)
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_needed(self, req: Request, num_tokens: int) -> int:
+        return max(0, -(-num_tokens // self.block_size) - len(req.block_ids))
+
+    def match_prefix(self, req: Request) -> int:
+        """Attach cached blocks for the longest cached prefix; returns the number of tokens hit.
+
+        At least one token is left to compute, because the step must produce logits for it.
+        """
+        if not self.enable_prefix_caching:
+            return 0
+        tokens = req.all_token_ids
+        bs, parent = self.block_size, None
+        max_blocks = (len(tokens) - 1) // bs
+        for i in range(max_blocks):
+            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            h = chain_hash(parent, chunk)
+            block_id = self.hash_to_block.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != chunk:
+                break
+            self._acquire(block_id)
+            req.block_ids.append(block_id)
+            req.block_hashes.append(h)
+            parent = h
+        return len(req.block_ids) * bs
+
+    def record_prefix_query(self, num_tokens: int, num_hit: int) -> None:
+        self.num_queried_tokens += num_tokens
+        self.num_hit_tokens += num_hit
+
+    def _acquire(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            self.free_ids.remove(block_id)
+        block.ref_count += 1
+
+    def allocate(self, req: Request, num_tokens: int) -> bool:
+        """Grow req.block_ids to hold num_tokens slots; False (nothing changed) if the pool is short."""
+        need = self.blocks_needed(req, num_tokens)
+        if need > len(self.free_ids):
+            return False
+        for _ in range(need):
+            block = self.blocks[self.free_ids.popleft()]
+            if block.hash is not None and self.hash_to_block.get(block.hash) == block.block_id:
+                del self.hash_to_block[block.hash]
+            block.hash, block.token_ids, block.ref_count = None, (), 1
+            req.block_ids.append(block.block_id)
+        return True
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Register the hashes of blocks that became full and computed this step."""
+        if not self.enable_prefix_caching:
+            return
+        bs, tokens = self.block_size, req.all_token_ids
+        num_full = min(req.num_computed_tokens // bs, len(req.block_ids))
+        for i in range(len(req.block_hashes), num_full):
+            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            h = chain_hash(req.block_hashes[-1] if req.block_hashes else None, chunk)
+            block = self.blocks[req.block_ids[i]]
+            block.hash, block.token_ids = h, chunk
+            self.hash_to_block.setdefault(h, block.block_id)
+            req.block_hashes.append(h)
+
+    def free(self, req: Request) -> None:
+        # Tail blocks first, so the least reusable part of a prefix is evicted first.
+        for block_id in reversed(req.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_ids.append(block_id)
+        req.block_ids, req.block_hashes = [], []

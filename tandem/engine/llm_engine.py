@@ -1,0 +1,149 @@
+"""LLMEngine (rank 0): admits requests, schedules steps, applies sampled tokens and stop rules."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+from tandem.config import ConfigError, EngineConfig
+from tandem.engine.metrics import Counter, EngineStats, Gauge, Metric
+from tandem.engine.request import Request
+from tandem.engine.scheduler import Scheduler
+from tandem.executor.uniproc import UniprocExecutor
+from tandem.outputs import CompletionOutput, RequestOutput
+from tandem.sampling_params import SamplingParams
+from tandem.tokenizer import Tokenizer
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config.validate()
+        self.tokenizer = Tokenizer(config.model_config.model)
+        self.executor = UniprocExecutor(config)
+        num_blocks = self.executor.num_kv_blocks
+        capacity = num_blocks * config.cache_config.block_size
+        if capacity < config.model_config.max_model_len:
+            raise ConfigError(f"the KV cache holds {capacity} tokens ({num_blocks} blocks), fewer than "
+                              f"max_model_len={config.model_config.max_model_len}: lower max_model_len or "
+                              "give the cache more memory (kv_cache_memory_bytes / num_gpu_blocks)")
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, config.model_config, num_blocks)
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+        self._rng = random.Random(config.model_config.seed)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams,
+                    request_id: str | None = None) -> Request | RequestOutput:
+        """Queue a request; a request that cannot run comes back at once as a failed RequestOutput."""
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        error = self._check_prompt(token_ids)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        req = Request(request_id, token_ids, params, seed, prompt=text)
+        if error is not None:
+            self.stats.num_requests_failed += 1
+            return RequestOutput(request_id, text, token_ids, [CompletionOutput(0, "", [], "error")],
+                                 finished=True, error=error)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        self.stats.num_prompt_tokens += len(token_ids)
+        return req
+
+    def _check_prompt(self, token_ids: list[int]) -> str | None:
+        max_len = self.config.model_config.max_model_len
+        vocab = self.config.model_config.get("vocab_size")
+        if not token_ids:
+            return "the prompt is empty"
+        if len(token_ids) >= max_len:
+            return (f"the prompt has {len(token_ids)} tokens, but max_model_len is {max_len}: "
+                    "the prompt plus at least one generated token must fit")
+        if vocab is not None and not all(0 <= t < vocab for t in token_ids):
+            return f"the prompt has token ids outside the vocabulary [0, {vocab})"
+        return None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return the requests that finished in it."""
+        plan = self.scheduler.schedule()
+        if not plan.rows:
+            return []
+        output = self.executor.execute(plan)
+        finished = []
+        for req, token, logprobs in self.scheduler.update(plan, output):
+            self._append_token(req, token, logprobs)
+            if req.finished:
+                finished.append(self._output(req))
+                del self.requests[req.request_id]
+        return finished
+
+    def _append_token(self, req: Request, token: int, logprobs: dict[int, float] | None) -> None:
+        sp = req.sampling_params
+        req.output_token_ids.append(token)
+        self.stats.num_generation_tokens += 1
+        if logprobs is not None:
+            req.logprobs = (req.logprobs or []) + [_trim(logprobs, token, sp.logprobs or 0)]
+        num_out = len(req.output_token_ids)
+        reason, stop_reason = None, None
+        if num_out >= sp.min_tokens:
+            if not sp.ignore_eos and token in self.tokenizer.eos_token_ids:
+                reason = "stop"
+            elif token in sp.stop_token_ids:
+                reason, stop_reason = "stop", token
+        if reason is None and isinstance(sp.stop, list) and sp.stop and num_out >= sp.min_tokens:
+            reason, stop_reason = self._check_stop_strings(req)
+        if reason is None and ((sp.max_tokens is not None and num_out >= sp.max_tokens)
+                               or req.num_tokens >= self.config.model_config.max_model_len):
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(req, reason, stop_reason)
+            self.stats.num_requests_finished += 1
+
+    def _check_stop_strings(self, req: Request) -> tuple[str | None, str | None]:
+        sp = req.sampling_params
+        text = self.tokenizer.decode(req.output_token_ids, sp.skip_special_tokens)
+        for stop in sp.stop or []:
+            at = text.find(stop)
+            if at >= 0:
+                req.output_text = text[: at + len(stop)] if sp.include_stop_str_in_output else text[:at]
+                return "stop", stop
+        return None, None
+
+    def _output(self, req: Request) -> RequestOutput:
+        sp = req.sampling_params
+        text = req.output_text if req.stop_reason in (sp.stop or []) else \
+            self.tokenizer.decode(req.output_token_ids, sp.skip_special_tokens)
+        completion = CompletionOutput(0, text, list(req.output_token_ids), req.finish_reason, req.stop_reason,
+                                      req.logprobs)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished=True,
+                             num_cached_tokens=max(req.num_cached_tokens, 0))
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self.scheduler.finish(req, "abort")
+
+    def get_metrics(self) -> list[Metric]:
+        bm, s = self.scheduler.block_manager, self.stats
+        return [
+            Counter("tandem:prompt_tokens", s.num_prompt_tokens),
+            Counter("tandem:generation_tokens", s.num_generation_tokens),
+            Counter("tandem:request_success", s.num_requests_finished),
+            Counter("tandem:request_failed", s.num_requests_failed),
+            Counter("tandem:num_preemptions", self.scheduler.num_preemptions),
+            Counter("tandem:prefix_cache_queries", bm.num_queried_tokens),
+            Counter("tandem:prefix_cache_hits", bm.num_hit_tokens),
+            Gauge("tandem:num_requests_running", len(self.scheduler.running)),
+            Gauge("tandem:num_requests_waiting", len(self.scheduler.waiting)),
+            Gauge("tandem:kv_cache_usage_perc", bm.usage()),
+        ]
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def _trim(logprobs: dict[int, float], token: int, num: int) -> dict[int, float]:
+    top = sorted(logprobs.items(), key=lambda kv: -kv[1])[:num]
+    return dict(top) | {token: logprobs[token]}

@@ -1,0 +1,34 @@
+"""Named counters and gauges (prefix `tandem:`), vLLM's Metric shapes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Counter:
+    name: str
+    value: float
+
+
+@dataclass(frozen=True)
+class Gauge:
+    name: str
+    value: float
+
+
+@dataclass(frozen=True)
+class Vector:
+    name: str
+    values: list[float]
+
+
+Metric = Counter | Gauge | Vector
+
+
+@dataclass
+class EngineStats:
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_requests_finished: int = 0
+    num_requests_failed: int = 0

@@ -1,0 +1,117 @@
+"""Continuous batching with a token budget, chunked prefill, FCFS and preemption by recompute.
+
+Each step serves running requests first (a decode is one token, an unfinished prompt continues
+with a chunk), then admits waiting ones. When the KV pool is short, the most recently arrived
+running request is preempted: its blocks are freed and it re-enters the waiting queue at the
+front, to be recomputed later from its prompt + generated tokens.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from tandem.config import CacheConfig, ModelConfig, SchedulerConfig
+from tandem.engine.block_manager import BlockManager
+from tandem.engine.request import Request, RequestStatus
+from tandem.engine.step_plan import RowSampling, ScheduledRow, StepOutput, StepPlan
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, model_config: ModelConfig,
+                 num_blocks: int):
+        self.config = scheduler_config
+        self.max_model_len = model_config.max_model_len
+        self.block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> StepPlan:
+        budget = self.config.max_num_batched_tokens
+        rows: list[ScheduledRow] = []
+        scheduled: list[Request] = []
+        for req in list(self.running):
+            if req not in self.running:
+                continue  # preempted while making room for an earlier request
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0 or not self._allocate_or_preempt(req, n):
+                continue
+            rows.append(self._row(req, n))
+            scheduled.append(req)
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            # Waiting requests hold no blocks: a failed admission releases its prefix hits (they
+            # stay cached), so requests queued behind preemptions can never pin the pool.
+            hit = self.block_manager.match_prefix(req)
+            req.num_computed_tokens = hit
+            n = req.num_tokens - hit
+            if (not self.config.enable_chunked_prefill and n > budget) or \
+                    not self.block_manager.allocate(req, hit + min(n, budget)):
+                self.block_manager.free(req)
+                req.num_computed_tokens = 0
+                break
+            n = min(n, budget)
+            self.block_manager.record_prefix_query(req.num_tokens, hit)
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = hit
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            rows.append(self._row(req, n))
+            scheduled.append(req)
+            budget -= n
+        self._scheduled = scheduled
+        return StepPlan(rows=rows)
+
+    def _allocate_or_preempt(self, req: Request, n: int) -> bool:
+        while not self.block_manager.allocate(req, req.num_computed_tokens + n):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.block_manager.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def _row(self, req: Request, n: int) -> ScheduledRow:
+        start = req.num_computed_tokens
+        reaches_end = start + n == req.num_tokens
+        sp = req.sampling_params
+        sampling = RowSampling(sp.temperature, sp.top_k, sp.top_p, sp.min_p, req.seed,
+                               sp.logprobs) if reaches_end else None
+        return ScheduledRow(req.request_id, req.all_token_ids[start:start + n], start, list(req.block_ids),
+                            sampling)
+
+    def update(self, plan: StepPlan, output: StepOutput) -> list[tuple[Request, int, dict[int, float] | None]]:
+        """Advance computed counts; return (request, sampled token, logprobs) for each sampling row."""
+        sampled = []
+        k = 0
+        for row, req in zip(plan.rows, self._scheduled, strict=True):
+            req.num_computed_tokens += len(row.token_ids)
+            self.block_manager.cache_full_blocks(req)
+            if row.sampling is not None:
+                sampled.append((req, output.sampled_token_ids[k], output.logprobs[k]))
+                k += 1
+        return sampled
+
+    def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        req.status = RequestStatus.FINISHED
+        req.finish_reason, req.stop_reason = reason, stop_reason
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.block_manager.free(req)

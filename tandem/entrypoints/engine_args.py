@@ -1,0 +1,99 @@
+"""Engine arguments shared by `LLM(...)` and every CLI command, with vLLM's names."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tandem.config import (AttentionConfig, CacheConfig, CompilationConfig, ConfigError, EngineConfig,
+                           ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig)
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int = 1 << 30
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    prefill_context_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    speculative_config: dict[str, Any] | None = None
+    attention_config: dict[str, Any] | None = None
+    compilation_config: dict[str, Any] | None = None
+    device: str = "cpu"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def create_engine_config(self) -> EngineConfig:
+        if self.model is None:
+            raise ConfigError("model=None is not allowed: no bundled default model ships yet; pass MODEL, "
+                              "a local Hugging Face folder (config.json, *.safetensors, tokenizer.json)")
+        mc = ModelConfig.from_path(self.model, self.dtype, self.max_model_len, self.seed)
+        return EngineConfig(
+            model_config=mc,
+            cache_config=CacheConfig(self.block_size, self.num_gpu_blocks_override, self.kv_cache_memory_bytes,
+                                     enable_prefix_caching=self.enable_prefix_caching),
+            scheduler_config=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens,
+                                             self.enable_chunked_prefill),
+            parallel_config=ParallelConfig(self.tensor_parallel_size, self.prefill_context_parallel_size,
+                                           self.enable_expert_parallel),
+            speculative_config=_sub(SpeculativeConfig, "speculative_config", self.speculative_config),
+            attention_config=_sub(AttentionConfig, "attention_config", self.attention_config),
+            compilation_config=_sub(CompilationConfig, "compilation_config", self.compilation_config),
+            device=self.device,
+        ).validate()
+
+    @staticmethod
+    def add_cli_args(p: argparse.ArgumentParser) -> None:
+        d = EngineArgs()
+        p.add_argument("--dtype", default=d.dtype, help="auto, float32, bfloat16 or float16")
+        p.add_argument("--max-model-len", type=int, default=None)
+        p.add_argument("--block-size", type=int, default=d.block_size)
+        p.add_argument("--num-gpu-blocks-override", type=int, default=None, help="KV pool size in blocks")
+        p.add_argument("--kv-cache-memory-bytes", type=int, default=d.kv_cache_memory_bytes)
+        p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+        p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+        p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+        p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+        p.add_argument("--seed", type=int, default=d.seed)
+        p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
+        p.add_argument("-pcp", "--prefill-context-parallel-size", type=int, default=1)
+        p.add_argument("--enable-expert-parallel", action="store_true")
+        for name in ("speculative", "attention", "compilation"):
+            p.add_argument(f"--{name}-config", type=_json_arg, default=None, help="JSON object")
+        p.add_argument("--device", default=d.device)
+
+    @staticmethod
+    def from_cli_args(args: argparse.Namespace) -> EngineArgs:
+        names = set(asdict(EngineArgs())) - {"extra"}
+        return EngineArgs(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def _json_arg(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def _sub(cls: type, name: str, values: dict[str, Any] | None) -> Any:
+    allowed = set(cls.__dataclass_fields__)
+    unknown = set(values or {}) - allowed
+    if unknown:
+        raise ConfigError(f"{name} has unknown keys {sorted(unknown)}: allowed keys are {sorted(allowed)}")
+    values = dict(values or {})
+    if "cudagraph_capture_sizes" in values:
+        values["cudagraph_capture_sizes"] = tuple(values["cudagraph_capture_sizes"])
+    return cls(**values)

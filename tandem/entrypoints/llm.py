@@ -1,0 +1,66 @@
+"""The offline API, vLLM-shaped: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.metrics import Metric
+from tandem.entrypoints.engine_args import EngineArgs
+from tandem.outputs import RequestOutput
+from tandem.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs: Any):
+        unknown = set(kwargs) - set(EngineArgs.__dataclass_fields__)
+        if unknown:
+            raise TypeError(f"LLM() got unknown arguments {sorted(unknown)}")
+        self.engine = LLMEngine(EngineArgs(model=model, **kwargs).create_engine_config())
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        param_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(param_list) != len(prompts):
+            raise ValueError(f"got {len(param_list)} SamplingParams for {len(prompts)} prompts")
+        results: dict[str, RequestOutput] = {}
+        order = []
+        for prompt, sp in zip(prompts, param_list, strict=True):
+            added = self.engine.add_request(_prompt_input(prompt), sp)
+            if isinstance(added, RequestOutput):
+                results[added.request_id] = added
+                order.append(added.request_id)
+            else:
+                order.append(added.request_id)
+        bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm, initial=len(results))
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                results[out.request_id] = out
+                bar.update(1)
+        bar.close()
+        return [results[rid] for rid in order]
+
+    def get_metrics(self) -> list[Metric]:
+        return self.engine.get_metrics()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def _prompt_input(prompt: PromptType) -> str | list[int]:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        return list(prompt["prompt_token_ids"])
+    if isinstance(prompt, dict) and "prompt" in prompt:
+        return str(prompt["prompt"])
+    raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids' or 'prompt', got {prompt!r}")

@@ -1,0 +1,172 @@
+"""Mixture of experts: the DeepSeek-V3 router (`MoEGate`) and the routed experts (`FusedMoE`).
+
+Experts are stacked per rank, their intermediate dim split over TP and the experts themselves over EP;
+the CPU forward loops over the experts that received tokens.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.distributed.groups import SINGLE, Group
+from tandem.layers.activation import silu_and_mul
+from tandem.layers.linear import _param, _shard, default_weight_loader
+
+_EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_SCORING = ("sigmoid", "softmax")
+_TOPK_METHODS = ("noaux_tc", "greedy")
+
+
+def expert_weight_target(name: str) -> tuple[str, tuple[int, str]] | None:
+    """`X.experts.{e}.{gate,up,down}_proj.weight` -> (`X.experts.w13_weight` or `X.experts.w2_weight`,
+    (e, kind)); None for any other tensor."""
+    m = _EXPERT_TENSOR.match(name)
+    if m is None:
+        return None
+    prefix, expert, kind = m.groups()
+    return f"{prefix}.{'w2' if kind == 'down' else 'w13'}_weight", (int(expert), kind)
+
+
+def _float32_param(shape: tuple[int, ...]) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape, dtype=torch.float32), requires_grad=False)
+    p.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+    return p
+
+
+class MoEGate(nn.Module):
+    """Router: hidden [T, H] -> (topk_weights [T, K] float32, topk_ids [T, K] int64), as transformers'
+    DeepseekV3TopkRouter.
+
+    `noaux_tc` (DeepSeek-V3, GLM-4.5): sigmoid scores; experts are chosen on scores + e_score_correction_bias
+    within the `topk_group` best of `n_group` groups (a group scores the sum of its top-2), but weighted by
+    the un-biased scores. `greedy`: plain top-k (DeepSeek-V2 style, usually with softmax scoring).
+    The router runs in float32 whatever the model dtype, as the released checkpoints and HF keep it.
+    """
+
+    def __init__(self, hf: Any):
+        super().__init__()
+        self.num_experts, self.top_k = hf.n_routed_experts, hf.num_experts_per_tok
+        self.scoring_func = getattr(hf, "scoring_func", "sigmoid")
+        self.topk_method = getattr(hf, "topk_method", "noaux_tc")
+        if self.scoring_func not in _SCORING:
+            raise ValueError(f"scoring_func={self.scoring_func!r} is not supported: "
+                             f"one of {', '.join(_SCORING)}")
+        if self.topk_method not in _TOPK_METHODS:
+            raise ValueError(f"topk_method={self.topk_method!r} is not supported: "
+                             f"one of {', '.join(_TOPK_METHODS)}")
+        self.n_group, self.topk_group = getattr(hf, "n_group", 1) or 1, getattr(hf, "topk_group", 1) or 1
+        if self.num_experts % self.n_group:
+            raise ValueError(f"n_group={self.n_group} does not divide n_routed_experts={self.num_experts}")
+        self.norm_topk_prob = getattr(hf, "norm_topk_prob", True)
+        self.routed_scaling_factor = getattr(hf, "routed_scaling_factor", 1.0)
+        self.weight = _float32_param((self.num_experts, hf.hidden_size))
+        self.e_score_correction_bias = (_float32_param((self.num_experts,)) if self.topk_method == "noaux_tc"
+                                        else None)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight)  # [T, E]
+        scores = logits.sigmoid() if self.scoring_func == "sigmoid" else logits.softmax(dim=-1)
+        choice = scores
+        if self.e_score_correction_bias is not None:
+            choice = self._limit_groups(scores + self.e_score_correction_bias)
+        topk_ids = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]  # [T, K]
+        topk_weights = scores.gather(1, topk_ids)
+        if self.norm_topk_prob:
+            topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return topk_weights * self.routed_scaling_factor, topk_ids
+
+    def _limit_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        # choice: [T, E]; experts outside the kept groups get -inf so top-k never picks them.
+        if self.topk_group >= self.n_group:
+            return choice
+        grouped = choice.view(-1, self.n_group, self.num_experts // self.n_group)  # [T, G, E/G]
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(choice)
+
+
+class FusedMoE(nn.Module):
+    """Routed SwiGLU experts stored stacked: w13_weight [E_local, 2 * I_local, H] (gate rows, then up rows)
+    and w2_weight [E_local, H, I_local].
+
+    Either each expert's intermediate dim is split over `tp`, or whole experts are partitioned over `ep`
+    (rank r owns global ids [r * E_local, (r + 1) * E_local)), not both: expert parallelism replaces tensor
+    parallelism inside the experts, as in vLLM. The weight loader takes per-expert checkpoint tensors with
+    shard id (expert_id, "gate" | "up" | "down") and ignores experts another EP rank owns, so a missing
+    expert is reported by the rank that owns it. The forward assumes every `ep` rank holds the same tokens;
+    dispatching distinct tokens (EP over PCP ranks) would gather them before and scatter after `_experts`.
+    The output is summed over `ep`, and over `tp` only when `reduce_results` (the caller may add the shared
+    experts' partial sums first and reduce once).
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: Group = SINGLE,
+                 ep: Group = SINGLE, reduce_results: bool = True):
+        super().__init__()
+        if tp.size > 1 and ep.size > 1:
+            raise ValueError(f"experts split over tensor_parallel_size {tp.size} and expert parallel size "
+                             f"{ep.size} at once; expert parallel experts take tp=SINGLE")
+        if num_experts % ep.size:
+            raise ValueError(f"n_routed_experts {num_experts} is not divisible by "
+                             f"expert parallel size {ep.size}")
+        if intermediate_size % tp.size:
+            raise ValueError(f"moe_intermediate_size {intermediate_size} is not divisible by "
+                             f"tensor_parallel_size {tp.size}")
+        self.num_experts, self.tp, self.ep, self.reduce_results = num_experts, tp, ep, reduce_results
+        self.num_local_experts = num_experts // ep.size
+        self.expert_start = ep.rank * self.num_local_experts
+        self.intermediate_local = intermediate_size // tp.size
+        num_local, inter = self.num_local_experts, self.intermediate_local
+        self.w13_weight = _param((num_local, 2 * inter, hidden_size), self._load)
+        self.w2_weight = _param((num_local, hidden_size, inter), self._load)
+        local = range(self.expert_start, self.expert_start + self.num_local_experts)
+        self.w13_weight.expected_shards = {(e, kind) for e in local for kind in ("gate", "up")}  # type: ignore[attr-defined]
+        self.w2_weight.expected_shards = {(e, "down") for e in local}  # type: ignore[attr-defined]
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]) -> None:
+        expert, kind = shard_id
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} is out of range: n_routed_experts={self.num_experts}")
+        local = expert - self.expert_start
+        if not 0 <= local < self.num_local_experts:
+            return  # owned by another expert-parallel rank
+        size = self.intermediate_local
+        if kind == "down":
+            default_weight_loader(param.data[local], _shard(loaded, 1, self.tp))
+        else:
+            dest = param.data[local].narrow(0, 0 if kind == "gate" else size, size)
+            default_weight_loader(dest, _shard(loaded, 0, self.tp))
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        # x: [T, H]; topk_weights: [T, K] float32; topk_ids: [T, K] global expert ids -> [T, H]
+        out = self._experts(x, topk_weights, topk_ids)
+        out = self.ep.all_reduce(out)
+        return self.tp.all_reduce(out) if self.reduce_results else out
+
+    def _experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        # Sort the T*K (token, choice) pairs by local expert, then run each expert once on its rows.
+        # Example, K = 2, one rank owning experts 0..3: topk_ids [[2, 0], [2, 3]] -> flat [2, 0, 2, 3],
+        # order [1, 0, 2, 3], counts [1, 0, 2, 1]: expert 0 gets pair 1 (token 0), expert 2 pairs 0, 2
+        # (tokens 0, 1), expert 3 pair 3 (token 1). Non-local ids sort last (key = E_local) and are dropped.
+        k = topk_ids.shape[1]
+        local_ids = (topk_ids - self.expert_start).flatten()  # [T * K]
+        is_local = (local_ids >= 0) & (local_ids < self.num_local_experts)
+        order = torch.argsort(torch.where(is_local, local_ids, self.num_local_experts), stable=True)
+        counts = torch.bincount(local_ids[is_local], minlength=self.num_local_experts).tolist()
+        flat_weights = topk_weights.flatten()  # [T * K]
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, n in enumerate(counts):
+            if n == 0:
+                continue
+            pairs = order[start:start + n]
+            start += n
+            tokens = pairs // k
+            h = F.linear(silu_and_mul(F.linear(x[tokens], self.w13_weight[expert])), self.w2_weight[expert])
+            out.index_add_(0, tokens, (h * flat_weights[pairs, None]).to(out.dtype))
+        return out

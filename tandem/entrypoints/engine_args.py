@@ -7,8 +7,17 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tandem.config import (AttentionConfig, CacheConfig, CompilationConfig, ConfigError, EngineConfig,
-                           ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig)
+from tandem.config import (
+    AttentionConfig,
+    CacheConfig,
+    CompilationConfig,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 
 
 @dataclass

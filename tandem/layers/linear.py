@@ -21,13 +21,13 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
-def _param(shape: tuple[int, ...], loader: Callable[..., None] | None = None) -> nn.Parameter:
+def new_param(shape: tuple[int, ...], loader: Callable[..., None] | None = None) -> nn.Parameter:
     p = nn.Parameter(torch.empty(shape), requires_grad=False)
     p.weight_loader = loader or default_weight_loader  # type: ignore[attr-defined]
     return p
 
 
-def _shard(loaded: torch.Tensor, dim: int, tp: Group) -> torch.Tensor:
+def shard_tensor(loaded: torch.Tensor, dim: int, tp: Group) -> torch.Tensor:
     size = loaded.shape[dim] // tp.size
     return loaded.narrow(dim, tp.rank * size, size)
 
@@ -41,8 +41,8 @@ def _expect_shards(module: nn.Module, shards: set[object]) -> None:
 class ReplicatedLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
-        self.weight = _param((out_features, in_features))
-        self.bias = _param((out_features,)) if bias else None
+        self.weight = new_param((out_features, in_features))
+        self.bias = new_param((out_features,)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -56,11 +56,11 @@ class ColumnParallelLinear(nn.Module):
         if out_features % tp.size:
             raise ValueError(f"output size {out_features} is not divisible by tensor_parallel_size {tp.size}")
         self.tp = tp
-        self.weight = _param((out_features // tp.size, in_features), self._load)
-        self.bias = _param((out_features // tp.size,), self._load) if bias else None
+        self.weight = new_param((out_features // tp.size, in_features), self._load)
+        self.bias = new_param((out_features // tp.size,), self._load) if bias else None
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        default_weight_loader(param, _shard(loaded, 0, self.tp))
+        default_weight_loader(param, shard_tensor(loaded, 0, self.tp))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -79,7 +79,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             raise ValueError("MergedColumnParallelLinear needs the shard index of the checkpoint tensor")
         offset = sum(self.output_sizes[:shard_id]) // self.tp.size
         size = self.output_sizes[shard_id] // self.tp.size
-        default_weight_loader(param.data.narrow(0, offset, size), _shard(loaded, 0, self.tp))
+        default_weight_loader(param.data.narrow(0, offset, size), shard_tensor(loaded, 0, self.tp))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -115,11 +115,11 @@ class RowParallelLinear(nn.Module):
             raise ValueError(f"input size {in_features} is not divisible by tensor_parallel_size {tp.size}")
         self.tp = tp
         self.reduce_results = reduce_results
-        self.weight = _param((out_features, in_features // tp.size), self._load)
-        self.bias = _param((out_features,)) if bias else None
+        self.weight = new_param((out_features, in_features // tp.size), self._load)
+        self.bias = new_param((out_features,)) if bias else None
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        default_weight_loader(param, _shard(loaded, 1, self.tp))
+        default_weight_loader(param, shard_tensor(loaded, 1, self.tp))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)

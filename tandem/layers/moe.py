@@ -15,7 +15,7 @@ from torch import nn
 
 from tandem.distributed.groups import SINGLE, Group
 from tandem.layers.activation import silu_and_mul
-from tandem.layers.linear import _param, _shard, default_weight_loader
+from tandem.layers.linear import default_weight_loader, new_param, shard_tensor
 
 _EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 _SCORING = ("sigmoid", "softmax")
@@ -122,8 +122,8 @@ class FusedMoE(nn.Module):
         self.expert_start = ep.rank * self.num_local_experts
         self.intermediate_local = intermediate_size // tp.size
         num_local, inter = self.num_local_experts, self.intermediate_local
-        self.w13_weight = _param((num_local, 2 * inter, hidden_size), self._load)
-        self.w2_weight = _param((num_local, hidden_size, inter), self._load)
+        self.w13_weight = new_param((num_local, 2 * inter, hidden_size), self._load)
+        self.w2_weight = new_param((num_local, hidden_size, inter), self._load)
         local = range(self.expert_start, self.expert_start + self.num_local_experts)
         self.w13_weight.expected_shards = {(e, kind) for e in local for kind in ("gate", "up")}  # type: ignore[attr-defined]
         self.w2_weight.expected_shards = {(e, "down") for e in local}  # type: ignore[attr-defined]
@@ -137,10 +137,10 @@ class FusedMoE(nn.Module):
             return  # owned by another expert-parallel rank
         size = self.intermediate_local
         if kind == "down":
-            default_weight_loader(param.data[local], _shard(loaded, 1, self.tp))
+            default_weight_loader(param.data[local], shard_tensor(loaded, 1, self.tp))
         else:
             dest = param.data[local].narrow(0, 0 if kind == "gate" else size, size)
-            default_weight_loader(dest, _shard(loaded, 0, self.tp))
+            default_weight_loader(dest, shard_tensor(loaded, 0, self.tp))
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         # x: [T, H]; topk_weights: [T, K] float32; topk_ids: [T, K] global expert ids -> [T, H]

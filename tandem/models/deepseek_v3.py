@@ -19,7 +19,7 @@ from tandem.layers.moe import FusedMoE, MoEGate, expert_weight_target
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding, rope_params, yarn_softmax_scale
 from tandem.models.llama import GatedMLP
-from tandem.models.loader import _default_map
+from tandem.models.loader import packed_weight_target
 from tandem.models.mtp import DeepSeekMTP, mtp_weight_name
 
 # DeepSeek's reference (and HF) build q_a_layernorm / kv_a_layernorm with the RMSNorm default eps,
@@ -170,7 +170,7 @@ class DeepseekV3ForCausalLM(nn.Module):
     def map_weight_name(self, name: str) -> tuple[str, Any]:
         if self.mtp is not None:
             name = mtp_weight_name(name, self.num_hidden_layers) or name
-        return expert_weight_target(name) or _default_map(self, name)
+        return expert_weight_target(name) or packed_weight_target(self, name)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [T] -> final normed hidden states [T, hidden]

@@ -38,7 +38,7 @@ def iterate_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def _default_map(model: nn.Module, name: str) -> tuple[str, Any]:
+def packed_weight_target(model: nn.Module, name: str) -> tuple[str, Any]:
     for sub, (fused, shard) in getattr(model, "packed_modules_mapping", {}).items():
         if f".{sub}." in name:
             return name.replace(f".{sub}.", f".{fused}."), shard
@@ -53,7 +53,7 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
     for name, tensor in weights:
         if name.endswith(_IGNORED_SUFFIXES):
             continue
-        target = mapper(name) if mapper is not None else _default_map(model, name)
+        target = mapper(name) if mapper is not None else packed_weight_target(model, name)
         if target is None:
             continue  # deliberately skipped by the model
         param_name, shard = target

@@ -1,0 +1,47 @@
+"""Helpers for engine tests: deterministic prompts and tandem's own logits for a token sequence.
+Scope: used by the parity tests against Hugging Face; nothing here is an oracle itself."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from tandem import LLM
+from tandem.attention.forward_context import forward_context
+from tandem.attention.metadata import build_attention_metadata
+from tandem.engine.step_plan import RowSampling, ScheduledRow, StepPlan
+from tandem.worker.input_batch import prepare_inputs
+
+GREEDY = RowSampling(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, num_logprobs=None)
+
+
+def random_prompts(lengths: list[int], vocab_size: int, seed: int = 0, low: int = 3) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(low, vocab_size) for _ in range(n)] for n in lengths]
+
+
+@torch.inference_mode()
+def tandem_last_logits(llm: LLM, token_ids: list[int], chunk: int = 16) -> torch.Tensor:
+    """Final-position logits [vocab] computed by the engine's model runner, prefilled in `chunk`-token
+    steps through the paged cache (blocks 0.. of an idle engine with prefix caching off)."""
+    runner = llm.engine.executor.runner
+    assert not llm.engine.config.cache_config.enable_prefix_caching, "would overwrite cached blocks"
+    block_size = runner.block_size
+    blocks = list(range(-(-len(token_ids) // block_size)))
+    hidden = None
+    for start in range(0, len(token_ids), chunk):
+        part = token_ids[start:start + chunk]
+        last = start + len(part) == len(token_ids)
+        plan = StepPlan([ScheduledRow("probe", part, start, blocks, GREEDY if last else None)])
+        batch = prepare_inputs(plan, block_size, runner.device)
+        meta = build_attention_metadata(batch.positions, batch.query_start_loc_cpu, batch.seq_lens_cpu,
+                                        batch.block_table, batch.slot_mapping, block_size)
+        with forward_context(meta, runner.backends):
+            hidden = runner.model(batch.input_ids, batch.positions)
+    assert hidden is not None
+    return runner.model.compute_logits(hidden[-1:])[0]
+
+
+def metric(llm: LLM, name: str) -> float:
+    return {m.name: m for m in llm.get_metrics()}[name].value  # type: ignore[union-attr]

@@ -255,6 +255,7 @@ _CAUSAL_LM_NAME = {
 # so greedy outputs are robust to float reordering between implementations.
 _HEAD_STD = 0.75
 _EMBED_STD = 0.5
+_QK = 1.0
 
 
 def _tensor_generator(seed: int, name: str) -> torch.Generator:
@@ -283,6 +284,8 @@ def _init_value(name: str, shape: torch.Size, g: torch.Generator, *, tied: bool 
         # scale make that self-term average to zero.
         sign = torch.where(torch.rand(shape, generator=g) < 0.5, -1.0, 1.0)
         return sign * (1.0 + 0.1 * randn())
+    if leaf == "weight" and (".q_norm" in name or ".k_norm" in name):
+        return _QK * (1.0 + 0.1 * randn())
     if len(shape) == 1:  # every other 1-D weight is an RMSNorm scale
         return 1.0 + 0.1 * randn()
     if name.endswith("lm_head.weight"):

@@ -64,7 +64,8 @@ def test_smollm2_greedy_matches_hf(smollm2):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     expected = hf_greedy(smollm2, prompts, MAX_TOKENS)
     for text, out, ref in zip(texts, outs, expected, strict=True):
-        assert out.outputs[0].token_ids == ref, f"SmolLM2 on {text!r}: {out.outputs[0].text!r} vs HF {tok.decode(ref)!r}"
-    ours, ref = tandem_last_logits(LLM(str(smollm2), enable_prefix_caching=False, max_model_len=256),
-                                   prompts[2]), hf_last_logits(smollm2, prompts[2])
+        got = out.outputs[0]
+        assert got.token_ids == ref, f"SmolLM2 on {text!r}: {got.text!r} vs HF {tok.decode(ref)!r}"
+    probe = LLM(str(smollm2), enable_prefix_caching=False, max_model_len=256)
+    ours, ref = tandem_last_logits(probe, prompts[2]), hf_last_logits(smollm2, prompts[2])
     assert torch.allclose(ours, ref, atol=1e-4, rtol=0), f"max diff {(ours - ref).abs().max():.2e}"

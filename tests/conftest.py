@@ -26,6 +26,12 @@ if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# Under pytest-xdist each worker gets one intra-op thread: OpenMP threads on oversubscribed cores
+# spin at barriers and make small matmuls ~30x slower.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 from checkpoints import build_tiny_checkpoint, smollm2_checkpoint  # noqa: E402
 
 

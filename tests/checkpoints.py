@@ -255,7 +255,6 @@ _CAUSAL_LM_NAME = {
 # so greedy outputs are robust to float reordering between implementations.
 _HEAD_STD = 0.75
 _EMBED_STD = 0.5
-_QK = 1.0
 
 
 def _tensor_generator(seed: int, name: str) -> torch.Generator:
@@ -284,8 +283,11 @@ def _init_value(name: str, shape: torch.Size, g: torch.Generator, *, tied: bool 
         # scale make that self-term average to zero.
         sign = torch.where(torch.rand(shape, generator=g) < 0.5, -1.0, 1.0)
         return sign * (1.0 + 0.1 * randn())
-    if leaf == "weight" and (".q_norm" in name or ".k_norm" in name):
-        return _QK * (1.0 + 0.1 * randn())
+    if name.endswith((".q_norm.weight", ".k_norm.weight")):
+        # QK-norm pins |q| and |k| to sqrt(head_dim), so attention is nearly uniform; uniform attention over
+        # the history drives random models into repetition loops. A scale of ~2 sharpens it (qwen3/glm4_moe:
+        # constant greedy tails on 0/32 instead of ~1/32 prompts, ~30% more distinct tokens).
+        return 2.0 * (1.0 + 0.1 * randn())
     if len(shape) == 1:  # every other 1-D weight is an RMSNorm scale
         return 1.0 + 0.1 * randn()
     if name.endswith("lm_head.weight"):
@@ -299,7 +301,7 @@ def _init_value(name: str, shape: torch.Size, g: torch.Generator, *, tied: bool 
     gain = 1.0
     if tied and (".o_proj." in name or "down_proj" in name):
         # Tied models also copy their input through the residual; louder block outputs dilute that path
-        # (measured: constant greedy tails drop from ~1/4 to ~1/30 of random prompts).
+        # (measured on qwen3: fewer repetition loops, ~10% more distinct greedy tokens).
         gain = 2.0
     return gain * randn() / shape[-1] ** 0.5
 

@@ -9,6 +9,7 @@ from tandem.config import ConfigError, EngineConfig
 from tandem.engine.metrics import Counter, EngineStats, Gauge, Metric
 from tandem.engine.request import Request
 from tandem.engine.scheduler import Scheduler
+from tandem.executor.multiproc import MultiprocExecutor
 from tandem.executor.uniproc import UniprocExecutor
 from tandem.outputs import CompletionOutput, RequestOutput
 from tandem.sampling_params import SamplingParams
@@ -19,7 +20,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config.validate()
         self.tokenizer = Tokenizer(config.model_config.model)
-        self.executor = UniprocExecutor(config)
+        self.executor = (MultiprocExecutor(config) if config.parallel_config.world_size > 1
+                         else UniprocExecutor(config))
         num_blocks = self.executor.num_kv_blocks
         capacity = num_blocks * config.cache_config.block_size
         if capacity < config.model_config.max_model_len:

@@ -8,6 +8,8 @@ from tandem.worker.model_runner import ModelRunner
 
 
 class UniprocExecutor:
+    """Same interface as MultiprocExecutor: execute(plan) -> StepOutput, num_kv_blocks, shutdown()."""
+
     def __init__(self, config: EngineConfig):
         self.runner = ModelRunner(config)
         self.num_kv_blocks = self.runner.num_kv_blocks()

@@ -99,10 +99,9 @@ class FusedMoE(nn.Module):
     (rank r owns global ids [r * E_local, (r + 1) * E_local)), not both: expert parallelism replaces tensor
     parallelism inside the experts, as in vLLM. The weight loader takes per-expert checkpoint tensors with
     shard id (expert_id, "gate" | "up" | "down") and ignores experts another EP rank owns, so a missing
-    expert is reported by the rank that owns it. The forward assumes every `ep` rank holds the same tokens;
-    dispatching distinct tokens (EP over PCP ranks) would gather them before and scatter after `_experts`.
-    The output is summed over `ep`, and over `tp` only when `reduce_results` (the caller may add the shared
-    experts' partial sums first and reduce once).
+    expert is reported by the rank that owns it. Under EP the tokens of every rank are gathered (PCP ranks
+    hold different ones) and the output is complete; under TP it is summed over `tp` only when
+    `reduce_results` (the caller may add the shared experts' partial sums first and reduce once).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: Group = SINGLE,
@@ -144,9 +143,23 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         # x: [T, H]; topk_weights: [T, K] float32; topk_ids: [T, K] global expert ids -> [T, H]
-        out = self._experts(x, topk_weights, topk_ids)
-        out = self.ep.all_reduce(out)
-        return self.tp.all_reduce(out) if self.reduce_results else out
+        if self.ep.size == 1:
+            out = self._experts(x, topk_weights, topk_ids)
+            return self.tp.all_reduce(out) if self.reduce_results else out
+        return self._expert_parallel(x, topk_weights, topk_ids)
+
+    def _expert_parallel(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        # EP ranks may hold different tokens (PCP shards them): gather every rank's tokens (padded to the
+        # longest, padding routed with weight 0), run the local experts over all of them, sum the partial
+        # outputs over `ep`, keep this rank's slice. gloo has no reduce-scatter, so all-reduce + slice.
+        n = x.shape[0]
+        m = int(self.ep.all_gather(torch.tensor([n], device=x.device)).max())
+        xs = self.ep.all_gather(F.pad(x, (0, 0, 0, m - n)))  # [ep * m, H]
+        ws = self.ep.all_gather(F.pad(topk_weights, (0, 0, 0, m - n)))  # [ep * m, K]
+        ids = self.ep.all_gather(F.pad(topk_ids, (0, 0, 0, m - n)))  # [ep * m, K]
+        out = self.ep.all_reduce(self._experts(xs, ws, ids))
+        start = self.ep.rank * m
+        return out[start:start + n]
 
     def _experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         # Sort the T*K (token, choice) pairs by local expert, then run each expert once on its rows.

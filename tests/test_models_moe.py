@@ -142,8 +142,8 @@ def _step(backends: dict[str, Any], positions: torch.Tensor, fn: Callable[[], An
     query_start_loc = torch.tensor([0, positions.numel()], dtype=torch.int32)
     seq_lens = torch.tensor([int(positions[-1]) + 1], dtype=torch.int32)
     block_table = torch.arange(NUM_BLOCKS, dtype=torch.int32)[None]
-    meta = build_attention_metadata(positions, query_start_loc, seq_lens, block_table, positions.clone(),
-                                    BLOCK_SIZE)
+    meta = build_attention_metadata(positions, query_start_loc, seq_lens, block_table, BLOCK_SIZE,
+                                    torch.arange(positions.numel()), positions.clone())
     with forward_context(meta, backends), torch.no_grad():
         return fn()
 

@@ -6,29 +6,38 @@ leak into the next step.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import torch
+
 from tandem.attention.backend import AttentionBackend
 from tandem.attention.metadata import AttentionMetadata
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 @dataclass
 class ForwardContext:
     attn_metadata: AttentionMetadata
     backends: dict[str, type[AttentionBackend]]  # attention kind -> backend
+    # new K/V of this rank -> the tensor whose rows attn_metadata.write_rows index (PCP all-gather)
+    gather_kv: Callable[[torch.Tensor], torch.Tensor] = _identity
 
 
 _CURRENT: ForwardContext | None = None
 
 
 @contextmanager
-def forward_context(meta: AttentionMetadata, backends: dict[str, type[AttentionBackend]]) -> Iterator[None]:
+def forward_context(meta: AttentionMetadata, backends: dict[str, type[AttentionBackend]],
+                    gather_kv: Callable[[torch.Tensor], torch.Tensor] = _identity) -> Iterator[None]:
     global _CURRENT
     if _CURRENT is not None:
         raise RuntimeError("forward_context is not nestable")
-    _CURRENT = ForwardContext(meta, backends)
+    _CURRENT = ForwardContext(meta, backends, gather_kv)
     try:
         yield
     finally:

@@ -28,9 +28,10 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         t = q.shape[0]
-        out = ctx.backends[self.kind].forward(
-            q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
-            v.view(t, self.num_kv_heads, self.head_dim), self.kv_cache, ctx.attn_metadata, self.scale)
+        # one gather for K and V: under PCP every rank writes every rank's prefill K/V into its cache
+        kv = ctx.gather_kv(torch.cat((k, v), dim=-1)).view(-1, 2, self.num_kv_heads, self.head_dim)
+        out = ctx.backends[self.kind].forward(q.view(t, self.num_heads, self.head_dim), kv[:, 0], kv[:, 1],
+                                              self.kv_cache, ctx.attn_metadata, self.scale)
         return out.reshape(t, self.num_heads * self.head_dim)
 
 
@@ -62,7 +63,7 @@ class MLAAttention(nn.Module):
         w_uk, w_uv = w[:, : self.nope_dim], w[:, self.nope_dim:]  # [H, nope, L], [H, v, L]
         q_latent = torch.einsum("thd,hdl->thl", q_nope, w_uk)  # [T, H, L]
         q = torch.cat((q_latent, q_pe), dim=-1)  # [T, H, L + rope]
-        entries = torch.cat((kv_c, k_pe), dim=-1)  # [T, L + rope]
+        entries = ctx.gather_kv(torch.cat((kv_c, k_pe), dim=-1))  # [T (or P * max_local under PCP), L + rope]
         o_latent = ctx.backends[self.kind].forward(q, entries, entries[:, : self.kv_lora_rank], self.kv_cache,
                                                    ctx.attn_metadata, self.scale)  # [T, H, L]
         out = torch.einsum("thl,hvl->thv", o_latent, w_uv)  # [T, H, v]

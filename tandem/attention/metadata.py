@@ -32,22 +32,22 @@ class AttentionMetadata:
     query_start_loc_cpu: torch.Tensor  # [num_rows + 1] int32
     seq_lens_cpu: torch.Tensor  # [num_rows] int32, keys visible to each row after this step's write
     block_table: torch.Tensor  # [num_rows, max_num_blocks] int32
-    slot_mapping: torch.Tensor  # [num_tokens] int64, PAD_SLOT_ID = no write
     block_size: int
     groups: list[PrefixGroup]
-    write_rows: torch.Tensor  # [num_writes] int64 token rows whose K/V are written
-    write_slots: torch.Tensor  # [num_writes] int64 their cache slots
+    write_rows: torch.Tensor  # [num_writes] int64 rows of the (gathered) new K/V that are written
+    write_slots: torch.Tensor  # [num_writes] int64 their cache slots (PAD_SLOT_ID rows are left out)
 
 
 def build_attention_metadata(positions: torch.Tensor, query_start_loc_cpu: torch.Tensor,
-                             seq_lens_cpu: torch.Tensor, block_table: torch.Tensor,
-                             slot_mapping: torch.Tensor, block_size: int) -> AttentionMetadata:
-    writes = slot_mapping >= 0
+                             seq_lens_cpu: torch.Tensor, block_table: torch.Tensor, block_size: int,
+                             write_rows: torch.Tensor, write_slots: torch.Tensor) -> AttentionMetadata:
+    """`write_rows` index the K/V tensor the attention layer hands the backend: this step's own rows, or
+    under PCP the all-gathered rows of every rank."""
     return AttentionMetadata(
         positions=positions, query_start_loc_cpu=query_start_loc_cpu, seq_lens_cpu=seq_lens_cpu,
-        block_table=block_table, slot_mapping=slot_mapping, block_size=block_size,
+        block_table=block_table, block_size=block_size,
         groups=_plan_groups(positions, query_start_loc_cpu, seq_lens_cpu, block_table, block_size),
-        write_rows=writes.nonzero().squeeze(1), write_slots=slot_mapping[writes])
+        write_rows=write_rows, write_slots=write_slots)
 
 
 def _plan_groups(positions: torch.Tensor, qsl: torch.Tensor, seq_lens: torch.Tensor,

@@ -93,7 +93,7 @@ class Scheduler:
         sampling = RowSampling(sp.temperature, sp.top_k, sp.top_p, sp.min_p, req.seed,
                                sp.logprobs) if reaches_end else None
         return ScheduledRow(req.request_id, req.all_token_ids[start:start + n], start, list(req.block_ids),
-                            sampling)
+                            is_prefill=start < req.num_tokens - 1, sampling=sampling)
 
     def update(self, plan: StepPlan, output: StepOutput) -> list[tuple[Request, int, dict[int, float] | None]]:
         """Advance computed counts; return (request, sampled token, logprobs) for each sampling row."""

@@ -23,6 +23,8 @@ class ScheduledRow:
     token_ids: list[int]
     num_computed_tokens: int
     block_ids: list[int]
+    # a prompt chunk (split over PCP ranks) rather than a decode row (replicated on every rank)
+    is_prefill: bool
     sampling: RowSampling | None  # None: a prompt chunk that does not reach the prompt's end
 
 

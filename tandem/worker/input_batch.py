@@ -29,6 +29,7 @@ class InputBatch:
     seq_lens_cpu: torch.Tensor  # [R] int32
     block_table: torch.Tensor  # [R, max_blocks] int32
     slot_mapping: torch.Tensor  # [T] int64
+    is_prefill_cpu: torch.Tensor  # [R] bool
     logits_indices: torch.Tensor  # [S] int64, rows whose next token is sampled
     sampling: SamplingMetadata | None
 
@@ -60,7 +61,8 @@ def prepare_inputs(plan: StepPlan, block_size: int, device: str) -> InputBatch:
     return InputBatch(
         input_ids=t(input_ids), positions=t(positions), query_start_loc_cpu=torch.from_numpy(qsl),
         seq_lens_cpu=torch.from_numpy((starts + q_lens).astype(np.int32)), block_table=t(block_table),
-        slot_mapping=t(slots), logits_indices=t(logits_indices),
+        slot_mapping=t(slots), is_prefill_cpu=torch.tensor([r.is_prefill for r in rows], dtype=torch.bool),
+        logits_indices=t(logits_indices),
         sampling=_sampling_metadata(plan, sample_rows, starts + q_lens, device))
 
 

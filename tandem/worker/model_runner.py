@@ -6,7 +6,6 @@ import torch
 
 from tandem.attention.backend import AttentionBackend, select_backend
 from tandem.attention.forward_context import forward_context
-from tandem.attention.metadata import build_attention_metadata
 from tandem.config import EngineConfig
 from tandem.distributed.groups import SINGLE_RANK, ParallelGroups
 from tandem.engine.step_plan import StepOutput, StepPlan
@@ -14,6 +13,7 @@ from tandem.layers.sampler import sample, top_logprobs
 from tandem.models.loader import build_model
 from tandem.worker.input_batch import InputBatch, prepare_inputs
 from tandem.worker.kv_cache import allocate_kv_caches, attention_modules, bytes_per_block
+from tandem.worker.pcp_hooks import PCPHooks
 
 
 class ModelRunner:
@@ -23,6 +23,7 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.model = build_model(config.model_config, groups, self.device)
         self.backends = self._select_backends()
+        self.pcp = PCPHooks(groups.pcp, self.block_size)
 
     def _select_backends(self) -> dict[str, type[AttentionBackend]]:
         attn = self.config.attention_config
@@ -45,11 +46,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
-        batch = prepare_inputs(plan, self.block_size, self.device)
-        meta = build_attention_metadata(batch.positions, batch.query_start_loc_cpu, batch.seq_lens_cpu,
-                                        batch.block_table, batch.slot_mapping, self.block_size)
-        with forward_context(meta, self.backends):
-            hidden = self.model(batch.input_ids, batch.positions)  # [T, hidden]
+        batch = prepare_inputs(plan, self.block_size, self.device)  # GLOBAL batch, same on every rank
+        local = self.pcp.maybe_partition(batch)  # identity at PCP size 1
+        with forward_context(local.attn_metadata, self.backends, self.pcp.gather_kv):
+            hidden = self.model(local.input_ids, local.positions)  # [T_local, hidden]
+        hidden = self.pcp.maybe_restore(hidden)  # [T_global, hidden]
         return self._sample(batch, hidden)
 
     def _sample(self, batch: InputBatch, hidden: torch.Tensor) -> StepOutput:

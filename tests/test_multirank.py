@@ -3,15 +3,20 @@ with PCP=2, for a tiny MLA+MoE and a tiny GQA+MoE checkpoint; and a killed rank 
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from engine_utils import random_prompts
 
 from tandem import LLM, SamplingParams
+from tandem.distributed.init import free_loopback_port
 from tandem.executor.multiproc import EngineDeadError
 
 LAYOUTS = {
@@ -84,3 +89,20 @@ def test_killed_rank_ends_generate_with_error_and_no_orphans(tiny_checkpoints):
     assert not any(_alive(pid) for pid in pids), "a tandem rank outlived the engine"
     with pytest.raises(EngineDeadError, match="create a new LLM"):
         llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_torchrun_launch_matches_single_rank(tiny_checkpoints, tmp_path):
+    path = str(tiny_checkpoints("llama"))
+    prompts = random_prompts([7, 30, 50], vocab_size=500, seed=9)
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_loopback_port()),
+                    str(Path(__file__).with_name("torchrun_generate.py")), path, str(tmp_path / "prompts.json"),
+                    str(tmp_path / "out.json")], check=True, timeout=180, env=env, capture_output=True)
+    got = json.loads((tmp_path / "out.json").read_text())
+    ref = LLM(path, dtype="float32").generate([{"prompt_token_ids": p} for p in prompts],
+                                              SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                                              use_tqdm=False)
+    assert got == [r.outputs[0].token_ids for r in ref]

@@ -10,6 +10,7 @@ from tandem.engine.metrics import Counter, EngineStats, Gauge, Metric
 from tandem.engine.request import Request
 from tandem.engine.scheduler import Scheduler
 from tandem.executor.multiproc import MultiprocExecutor
+from tandem.executor.torchrun import TorchrunExecutor, launched_by_torchrun
 from tandem.executor.uniproc import UniprocExecutor
 from tandem.outputs import CompletionOutput, RequestOutput
 from tandem.sampling_params import SamplingParams
@@ -20,8 +21,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config.validate()
         self.tokenizer = Tokenizer(config.model_config.model)
-        self.executor = (MultiprocExecutor(config) if config.parallel_config.world_size > 1
-                         else UniprocExecutor(config))
+        self.executor = _make_executor(config)
         num_blocks = self.executor.num_kv_blocks
         capacity = num_blocks * config.cache_config.block_size
         if capacity < config.model_config.max_model_len:
@@ -144,6 +144,14 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _make_executor(config: EngineConfig) -> UniprocExecutor | MultiprocExecutor | TorchrunExecutor:
+    if launched_by_torchrun():
+        return TorchrunExecutor(config)
+    if config.parallel_config.world_size > 1:
+        return MultiprocExecutor(config)
+    return UniprocExecutor(config)
 
 
 def _trim(logprobs: dict[int, float], token: int, num: int) -> dict[int, float]:

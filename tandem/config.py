@@ -112,11 +112,58 @@ class ParallelConfig:
 class SpeculativeConfig:
     method: str | None = None
     num_speculative_tokens: int = 0
+    # dynamic K: ((max running requests, K), ...) ascending, e.g. ((8, 3), (16, 2), (32, 1)); more
+    # running requests than the last bound -> no drafts
+    num_speculative_tokens_per_batch_size: tuple[tuple[int, int], ...] = ()
     draft_sample_method: str = "greedy"
     attention_backend: str | None = None
     model: str | None = None
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+    @property
+    def max_num_speculative_tokens(self) -> int:
+        return max([self.num_speculative_tokens, *(k for _, k in self.num_speculative_tokens_per_batch_size)])
+
+    def num_tokens_for_batch(self, num_running: int) -> int:
+        """K for a step with `num_running` running requests."""
+        if not self.num_speculative_tokens_per_batch_size:
+            return self.num_speculative_tokens
+        for bound, k in self.num_speculative_tokens_per_batch_size:
+            if num_running <= bound:
+                return k
+        return 0
+
+    def validate(self, model: ModelConfig) -> None:
+        if self.method is None:
+            if self.num_speculative_tokens or self.num_speculative_tokens_per_batch_size:
+                _fail("speculative_config.method", None, f"one of {', '.join(SPEC_METHODS)} when "
+                      "num_speculative_tokens is set")
+            return
+        if self.method not in SPEC_METHODS:
+            _fail("speculative_config.method", self.method, f"one of {', '.join(SPEC_METHODS)}")
+        schedule = self.num_speculative_tokens_per_batch_size
+        if self.num_speculative_tokens < 1 and not schedule:
+            _fail("speculative_config.num_speculative_tokens", self.num_speculative_tokens,
+                  "a positive integer (or give num_speculative_tokens_per_batch_size)")
+        bounds = [b for b, _ in schedule]
+        if any(b < 1 or k < 0 for b, k in schedule) or bounds != sorted(set(bounds)):
+            _fail("speculative_config.num_speculative_tokens_per_batch_size", schedule,
+                  "pairs [max_running_requests, K] with strictly increasing bounds >= 1 and K >= 0")
+        if self.draft_sample_method not in ("greedy", "probabilistic"):
+            _fail("speculative_config.draft_sample_method", self.draft_sample_method, "greedy or probabilistic")
+        if self.method == "mtp" and not model.get("num_nextn_predict_layers"):
+            _fail("speculative_config.method", "mtp", f"a checkpoint with MTP layers; {model.model} has "
+                  "num_nextn_predict_layers = 0")
+        if self.method == "dspark" and not self.model:
+            _fail("speculative_config.model", self.model, "the DSpark drafter's checkpoint folder")
+        if self.method == "ngram" and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            _fail("speculative_config.prompt_lookup_min", self.prompt_lookup_min,
+                  f"1 <= prompt_lookup_min <= prompt_lookup_max ({self.prompt_lookup_max})")
 
 
 @dataclass(frozen=True)
@@ -169,9 +216,7 @@ class EngineConfig:
         for name in ("tensor_parallel_size", "prefill_context_parallel_size"):
             if getattr(p, name) < 1:
                 _fail(name, getattr(p, name), "a positive integer")
-        sp = self.speculative_config
-        if sp.method is not None and sp.method not in SPEC_METHODS:
-            _fail("speculative_config.method", sp.method, f"one of {', '.join(SPEC_METHODS)}")
+        self.speculative_config.validate(m)
         if self.compilation_config.cudagraph_mode not in CUDAGRAPH_MODES:
             _fail("compilation_config.cudagraph_mode", self.compilation_config.cudagraph_mode,
                   f"one of {', '.join(CUDAGRAPH_MODES)}")

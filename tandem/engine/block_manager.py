@@ -99,7 +99,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs, tokens = self.block_size, req.all_token_ids
-        num_full = min(req.num_computed_tokens // bs, len(req.block_ids))
+        # accepted drafts are computed before they are appended to the request's tokens
+        num_full = min(min(req.num_computed_tokens, len(tokens)) // bs, len(req.block_ids))
         for i in range(len(req.block_hashes), num_full):
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
             h = chain_hash(req.block_hashes[-1] if req.block_hashes else None, chunk)

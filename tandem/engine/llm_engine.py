@@ -6,7 +6,7 @@ import itertools
 import random
 
 from tandem.config import ConfigError, EngineConfig
-from tandem.engine.metrics import Counter, EngineStats, Gauge, Metric
+from tandem.engine.metrics import Counter, EngineStats, Gauge, Metric, Vector
 from tandem.engine.request import Request
 from tandem.engine.scheduler import Scheduler
 from tandem.executor.multiproc import MultiprocExecutor
@@ -14,6 +14,8 @@ from tandem.executor.torchrun import TorchrunExecutor, launched_by_torchrun
 from tandem.executor.uniproc import UniprocExecutor
 from tandem.outputs import CompletionOutput, RequestOutput
 from tandem.sampling_params import SamplingParams
+from tandem.spec_decode.metrics import SpecDecodeStats
+from tandem.spec_decode.ngram import propose_ngram
 from tandem.tokenizer import Tokenizer
 
 
@@ -28,7 +30,10 @@ class LLMEngine:
             raise ConfigError(f"the KV cache holds {capacity} tokens ({num_blocks} blocks), fewer than "
                               f"max_model_len={config.model_config.max_model_len}: lower max_model_len or "
                               "give the cache more memory (kv_cache_memory_bytes / num_gpu_blocks)")
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, config.model_config, num_blocks)
+        self.spec = config.speculative_config
+        self.spec_stats = SpecDecodeStats()
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, config.model_config, num_blocks,
+                                   self.spec)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._ids = itertools.count()
@@ -74,11 +79,20 @@ class LLMEngine:
             return []
         output = self.executor.execute(plan)
         finished = []
-        for req, token, logprobs in self.scheduler.update(plan, output):
-            self._append_token(req, token, logprobs)
+        for req, row, k in self.scheduler.update(plan, output):
+            emitted = output.sampled_token_ids[k]
+            self.spec_stats.observe(row.num_draft_tokens, len(emitted) - 1)
+            logprobs = output.logprobs[k] or [None] * len(emitted)
+            for token, token_logprobs in zip(emitted, logprobs, strict=True):
+                self._append_token(req, token, token_logprobs)
+                if req.finished:
+                    break  # tokens after a stop are dropped
             if req.finished:
                 finished.append(self._output(req))
                 del self.requests[req.request_id]
+            elif self.spec.method == "ngram":
+                req.spec_token_ids = propose_ngram(req.all_token_ids, self.spec.max_num_speculative_tokens,
+                                                   self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
         return finished
 
     def _append_token(self, req: Request, token: int, logprobs: dict[int, float] | None) -> None:
@@ -140,6 +154,20 @@ class LLMEngine:
             Gauge("tandem:num_requests_running", len(self.scheduler.running)),
             Gauge("tandem:num_requests_waiting", len(self.scheduler.waiting)),
             Gauge("tandem:kv_cache_usage_perc", bm.usage()),
+            *self._spec_metrics(),
+        ]
+
+    def _spec_metrics(self) -> list[Metric]:
+        if not self.spec.enabled:
+            return []
+        st = self.spec_stats
+        return [
+            Counter("tandem:spec_decode_num_drafts", st.num_drafts),
+            Counter("tandem:spec_decode_num_draft_tokens", st.num_draft_tokens),
+            Counter("tandem:spec_decode_num_accepted_tokens", st.num_accepted_tokens),
+            Vector("tandem:spec_decode_num_accepted_tokens_per_pos", list(st.accepted_per_pos)),
+            Gauge("tandem:spec_decode_acceptance_rate", st.acceptance_rate),
+            Gauge("tandem:spec_decode_mean_acceptance_length", st.mean_acceptance_length),
         ]
 
     def shutdown(self) -> None:

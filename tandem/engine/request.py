@@ -26,6 +26,7 @@ class Request:
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # hashes of the full blocks cached so far
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify in the next step
     num_cached_tokens: int = -1  # prefix-cache hit on first scheduling; -1 = not scheduled yet
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None

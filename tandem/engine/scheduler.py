@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from tandem.config import CacheConfig, ModelConfig, SchedulerConfig
+from tandem.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.step_plan import RowSampling, ScheduledRow, StepOutput, StepPlan
@@ -18,8 +18,12 @@ from tandem.engine.step_plan import RowSampling, ScheduledRow, StepOutput, StepP
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, model_config: ModelConfig,
-                 num_blocks: int):
+                 num_blocks: int, spec_config: SpeculativeConfig | None = None):
         self.config = scheduler_config
+        self.spec = spec_config or SpeculativeConfig()
+        # Model drafters write their own KV at the next step's draft positions while proposing, so a
+        # sampling row reserves that many slots ahead.
+        self.lookahead = self.spec.max_num_speculative_tokens if self.spec.method in ("mtp", "dspark") else 0
         self.max_model_len = model_config.max_model_len
         self.block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
@@ -36,15 +40,17 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         rows: list[ScheduledRow] = []
         scheduled: list[Request] = []
+        k = self.spec.num_tokens_for_batch(len(self.running)) if self.spec.enabled else 0
         for req in list(self.running):
             if req not in self.running:
                 continue  # preempted while making room for an earlier request
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if n <= 0 or not self._allocate_or_preempt(req, n):
+            drafts = self._drafts(req, k, budget) if n == 1 else []
+            if n <= 0 or not self._allocate_or_preempt(req, n + len(drafts)):
                 continue
-            rows.append(self._row(req, n))
+            rows.append(self._row(req, n, drafts))
             scheduled.append(req)
-            budget -= n
+            budget -= n + len(drafts)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             # Waiting requests hold no blocks: a failed admission releases its prefix hits (they
@@ -64,14 +70,24 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            rows.append(self._row(req, n))
+            rows.append(self._row(req, n, []))
             scheduled.append(req)
             budget -= n
         self._scheduled = scheduled
-        return StepPlan(rows=rows)
+        return StepPlan(rows=rows, num_spec_tokens=k if self.spec.method in ("mtp", "dspark") else 0)
+
+    def _drafts(self, req: Request, k: int, budget: int) -> list[int]:
+        """The drafts a decode row verifies: at most K, the budget, and what max_tokens/max_model_len allow."""
+        sp = req.sampling_params
+        room = self.max_model_len - req.num_tokens - 1
+        if sp.max_tokens is not None:
+            room = min(room, sp.max_tokens - len(req.output_token_ids) - 1)
+        return req.spec_token_ids[: max(0, min(k, budget - 1, room))]
 
     def _allocate_or_preempt(self, req: Request, n: int) -> bool:
-        while not self.block_manager.allocate(req, req.num_computed_tokens + n):
+        total = min(req.num_computed_tokens + n + self.lookahead, max(self.max_model_len,
+                                                                      req.num_computed_tokens + n))
+        while not self.block_manager.allocate(req, total):
             victim = self.running[-1]
             self._preempt(victim)
             if victim is req:
@@ -82,29 +98,36 @@ class Scheduler:
         self.running.remove(req)
         self.block_manager.free(req)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
-    def _row(self, req: Request, n: int) -> ScheduledRow:
+    def _row(self, req: Request, n: int, drafts: list[int]) -> ScheduledRow:
         start = req.num_computed_tokens
         reaches_end = start + n == req.num_tokens
         sp = req.sampling_params
         sampling = RowSampling(sp.temperature, sp.top_k, sp.top_p, sp.min_p, req.seed,
                                sp.logprobs) if reaches_end else None
-        return ScheduledRow(req.request_id, req.all_token_ids[start:start + n], start, list(req.block_ids),
-                            is_prefill=start < req.num_tokens - 1, sampling=sampling)
+        tokens = req.all_token_ids
+        return ScheduledRow(req.request_id, tokens[start:start + n] + drafts, start, list(req.block_ids),
+                            is_prefill=start < req.num_tokens - 1, sampling=sampling,
+                            num_draft_tokens=len(drafts), next_token_id=None if reaches_end else tokens[start + n])
 
-    def update(self, plan: StepPlan, output: StepOutput) -> list[tuple[Request, int, dict[int, float] | None]]:
-        """Advance computed counts; return (request, sampled token, logprobs) for each sampling row."""
+    def update(self, plan: StepPlan, output: StepOutput) -> list[tuple[Request, ScheduledRow, int]]:
+        """Advance computed counts, rolling back rejected drafts (their KV slots are simply overwritten
+        later), and store the next drafts; return (request, row, sampling index) for each sampling row."""
         sampled = []
         k = 0
         for row, req in zip(plan.rows, self._scheduled, strict=True):
             req.num_computed_tokens += len(row.token_ids)
-            self.block_manager.cache_full_blocks(req)
             if row.sampling is not None:
-                sampled.append((req, output.sampled_token_ids[k], output.logprobs[k]))
+                num_accepted = len(output.sampled_token_ids[k]) - 1
+                req.num_computed_tokens -= row.num_draft_tokens - num_accepted
+                req.spec_token_ids = output.draft_token_ids[k] if output.draft_token_ids else []
+                sampled.append((req, row, k))
                 k += 1
+            self.block_manager.cache_full_blocks(req)
         return sampled
 
     def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:

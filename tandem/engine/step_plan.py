@@ -17,7 +17,11 @@ class RowSampling:
 
 @dataclass(frozen=True)
 class ScheduledRow:
-    """One request's work this step: run `token_ids` at positions num_computed_tokens + i."""
+    """One request's work this step: run `token_ids` at positions num_computed_tokens + i.
+
+    A decode row is [last token, draft 1 .. draft K]: the target verifies the K drafts and samples
+    up to K + 1 tokens. A prompt chunk that stops short of the prompt's end samples nothing.
+    """
 
     request_id: str
     token_ids: list[int]
@@ -26,11 +30,15 @@ class ScheduledRow:
     # a prompt chunk (split over PCP ranks) rather than a decode row (replicated on every rank)
     is_prefill: bool
     sampling: RowSampling | None  # None: a prompt chunk that does not reach the prompt's end
+    num_draft_tokens: int = 0  # the last num_draft_tokens of token_ids are drafts to verify
+    # the token after this chunk, for drafters that read "next token" ids; None when it is sampled
+    next_token_id: int | None = None
 
 
 @dataclass(frozen=True)
 class StepPlan:
     rows: list[ScheduledRow] = field(default_factory=list)
+    num_spec_tokens: int = 0  # drafts to propose for the next step (0: none)
 
     @property
     def num_tokens(self) -> int:
@@ -39,7 +47,9 @@ class StepPlan:
 
 @dataclass
 class StepOutput:
-    """Per sampling row of the plan, in order: the sampled token and optional logprobs."""
+    """Per sampling row of the plan, in order: the emitted tokens (accepted drafts + one sampled token),
+    their logprobs when asked, and the drafts proposed for the next step (empty when none)."""
 
-    sampled_token_ids: list[int]
-    logprobs: list[dict[int, float] | None]
+    sampled_token_ids: list[list[int]]
+    logprobs: list[list[dict[int, float]] | None]
+    draft_token_ids: list[list[int]] = field(default_factory=list)

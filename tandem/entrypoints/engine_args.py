@@ -105,4 +105,7 @@ def _sub(cls: type, name: str, values: dict[str, Any] | None) -> Any:
     values = dict(values or {})
     if "cudagraph_capture_sizes" in values:
         values["cudagraph_capture_sizes"] = tuple(values["cudagraph_capture_sizes"])
+    if "num_speculative_tokens_per_batch_size" in values:
+        values["num_speculative_tokens_per_batch_size"] = tuple(
+            (int(b), int(k)) for b, k in values["num_speculative_tokens_per_batch_size"])
     return cls(**values)

@@ -35,9 +35,15 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ _srl(x, 31)
 
 
-def keyed_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[S] seeds, [S] positions -> [S, V] float64 uniforms in (0, 1), a pure function of its inputs."""
+def keyed_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int, stream: int = 0) -> torch.Tensor:
+    """[S] seeds, [S] positions -> [S, V] float64 uniforms in (0, 1), a pure function of its inputs.
+
+    `stream` selects an independent sequence for the same (seed, position): 0 is token sampling,
+    1 speculative-decoding acceptance; stream 0 keeps the original key so existing draws never change.
+    """
     row = _mix(_mix(seeds.long() * _GOLDEN + 0x632BE5AB) ^ positions.long())  # [S]
+    if stream:
+        row = _mix(row ^ _i64(stream * _GOLDEN))
     cols = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device) * _GOLDEN
     bits = _srl(_mix(row[:, None] + cols[None, :]), 11)  # [S, V], 53 random bits
     return (bits.double() + 0.5) * (1.0 / (1 << 53))

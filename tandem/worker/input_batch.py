@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tandem.attention.metadata import AttentionMetadata, build_attention_metadata
 from tandem.engine.step_plan import StepPlan
 from tandem.layers.sampler import SamplingMetadata
 
@@ -30,8 +31,13 @@ class InputBatch:
     block_table: torch.Tensor  # [R, max_blocks] int32
     slot_mapping: torch.Tensor  # [T] int64
     is_prefill_cpu: torch.Tensor  # [R] bool
-    logits_indices: torch.Tensor  # [S] int64, rows whose next token is sampled
-    sampling: SamplingMetadata | None
+    # Sampling rows: a prompt chunk reaching the prompt's end, or a decode row [last, d_1 .. d_K]
+    # whose K + 1 logits verify the K drafts.
+    sample_rows: list[int]  # [S] index of each sampling row among the batch rows
+    num_draft_tokens: list[int]  # [S] K_i
+    logits_indices: torch.Tensor  # [sum_i (K_i + 1)] int64 token rows whose logits are computed
+    draft_token_ids: torch.Tensor  # [sum_i K_i] int64
+    sampling: SamplingMetadata | None  # per sampling row; positions = position of its first sampled token
 
     @property
     def num_tokens(self) -> int:
@@ -53,7 +59,11 @@ def prepare_inputs(plan: StepPlan, block_size: int, device: str) -> InputBatch:
     slots = block_table[row_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
     input_ids = np.fromiter((t for r in rows for t in r.token_ids), dtype=np.int64, count=int(q_lens.sum()))
     sample_rows = [i for i, r in enumerate(rows) if r.sampling is not None]
-    logits_indices = qsl[1:][sample_rows].astype(np.int64) - 1
+    num_drafts = [rows[i].num_draft_tokens for i in sample_rows]
+    ends = qsl[1:][sample_rows].astype(np.int64)
+    logits_indices = np.concatenate([np.arange(e - k - 1, e) for e, k in zip(ends, num_drafts, strict=True)]
+                                    or [np.zeros(0, dtype=np.int64)])
+    draft_ids = [t for i in sample_rows for t in rows[i].token_ids[len(rows[i].token_ids) - rows[i].num_draft_tokens:]]
 
     def t(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(device)
@@ -62,11 +72,13 @@ def prepare_inputs(plan: StepPlan, block_size: int, device: str) -> InputBatch:
         input_ids=t(input_ids), positions=t(positions), query_start_loc_cpu=torch.from_numpy(qsl),
         seq_lens_cpu=torch.from_numpy((starts + q_lens).astype(np.int32)), block_table=t(block_table),
         slot_mapping=t(slots), is_prefill_cpu=torch.tensor([r.is_prefill for r in rows], dtype=torch.bool),
-        logits_indices=t(logits_indices),
-        sampling=_sampling_metadata(plan, sample_rows, starts + q_lens, device))
+        sample_rows=sample_rows, num_draft_tokens=num_drafts, logits_indices=t(logits_indices),
+        draft_token_ids=torch.tensor(draft_ids, dtype=torch.int64, device=device),
+        sampling=_sampling_metadata(plan, sample_rows, starts + q_lens - np.array(
+            [r.num_draft_tokens for r in rows], dtype=np.int64), device))
 
 
-def _sampling_metadata(plan: StepPlan, sample_rows: list[int], seq_lens: np.ndarray,
+def _sampling_metadata(plan: StepPlan, sample_rows: list[int], first_sampled: np.ndarray,
                        device: str) -> SamplingMetadata | None:
     if not sample_rows:
         return None
@@ -79,6 +91,14 @@ def _sampling_metadata(plan: StepPlan, sample_rows: list[int], seq_lens: np.ndar
         top_p=torch.tensor([s.top_p for s in specs], dtype=torch.float32, device=device),
         min_p=torch.tensor([s.min_p for s in specs], dtype=torch.float32, device=device),
         seeds=torch.tensor([s.seed for s in specs], dtype=torch.int64, device=device),
-        positions=torch.from_numpy(seq_lens[sample_rows].astype(np.int64)).to(device),
+        positions=torch.from_numpy(first_sampled[sample_rows].astype(np.int64)).to(device),
         max_num_logprobs=max(logprobs) if logprobs else None,
         all_greedy=all(t == 0.0 for t in temps))
+
+
+def global_attention_metadata(batch: InputBatch, block_size: int) -> AttentionMetadata:
+    """Attention metadata of the whole global batch: every row, every valid slot written once."""
+    writes = batch.slot_mapping >= 0
+    return build_attention_metadata(batch.positions, batch.query_start_loc_cpu, batch.seq_lens_cpu,
+                                    batch.block_table, block_size, writes.nonzero().squeeze(1),
+                                    batch.slot_mapping[writes])

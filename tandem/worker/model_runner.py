@@ -11,6 +11,8 @@ from tandem.distributed.groups import SINGLE_RANK, ParallelGroups
 from tandem.engine.step_plan import StepOutput, StepPlan
 from tandem.layers.sampler import sample, top_logprobs
 from tandem.models.loader import build_model
+from tandem.spec_decode.mtp_proposer import MTPProposer
+from tandem.spec_decode.rejection_sampler import rejection_sample
 from tandem.worker.input_batch import InputBatch, prepare_inputs
 from tandem.worker.kv_cache import allocate_kv_caches, attention_modules, bytes_per_block
 from tandem.worker.pcp_hooks import PCPHooks
@@ -24,6 +26,13 @@ class ModelRunner:
         self.model = build_model(config.model_config, groups, self.device)
         self.backends = self._select_backends()
         self.pcp = PCPHooks(groups.pcp, self.block_size)
+        spec = config.speculative_config
+        self.proposer = (MTPProposer(self.model.mtp, self.backends, self.block_size,
+                                     config.model_config.max_model_len, spec.draft_sample_method == "probabilistic")
+                         if spec.method == "mtp" else None)
+        # distributions the last proposal's drafts were sampled from, per request (probabilistic drafting)
+        self.draft_probs: dict[str, torch.Tensor] | None = (
+            {} if self.proposer is not None and spec.draft_sample_method == "probabilistic" else None)
 
     def _select_backends(self) -> dict[str, type[AttentionBackend]]:
         attn = self.config.attention_config
@@ -51,14 +60,46 @@ class ModelRunner:
         with forward_context(local.attn_metadata, self.backends, self.pcp.gather_kv):
             hidden = self.model(local.input_ids, local.positions)  # [T_local, hidden]
         hidden = self.pcp.maybe_restore(hidden)  # [T_global, hidden]
-        return self._sample(batch, hidden)
-
-    def _sample(self, batch: InputBatch, hidden: torch.Tensor) -> StepOutput:
         if batch.sampling is None:
             return StepOutput([], [])
-        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, vocab] float32
-        tokens = sample(logits, batch.sampling)
+        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [sum_i (K_i + 1), vocab] float32
+        emitted = self._verify_or_sample(plan, batch, logits)
+        drafts = self._propose(plan, batch, hidden, emitted)
+        return StepOutput(emitted, self._logprobs(batch, logits, emitted), drafts)
+
+    def _verify_or_sample(self, plan: StepPlan, batch: InputBatch, logits: torch.Tensor) -> list[list[int]]:
+        assert batch.sampling is not None
+        if not any(batch.num_draft_tokens):
+            return [[t] for t in sample(logits, batch.sampling).tolist()]
+        draft_probs = None
+        if self.draft_probs is not None:
+            draft_probs = torch.cat([self.draft_probs[plan.rows[i].request_id][:k]
+                                     for i, k in zip(batch.sample_rows, batch.num_draft_tokens, strict=True)])
+        emitted, _ = rejection_sample(logits, batch.draft_token_ids, draft_probs, batch.num_draft_tokens,
+                                      batch.sampling)
+        return emitted
+
+    def _propose(self, plan: StepPlan, batch: InputBatch, hidden: torch.Tensor,
+                 emitted: list[list[int]]) -> list[list[int]]:
+        if self.proposer is None or plan.num_spec_tokens == 0:
+            return []
+        drafts, probs = self.proposer.propose(plan, batch, hidden, emitted, plan.num_spec_tokens)
+        if self.draft_probs is not None and probs is not None:
+            ids = [plan.rows[i].request_id for i in batch.sample_rows]
+            self.draft_probs = dict(zip(ids, probs, strict=True))
+        return drafts
+
+    @staticmethod
+    def _logprobs(batch: InputBatch, logits: torch.Tensor,
+                  emitted: list[list[int]]) -> list[list[dict[int, float]] | None]:
+        assert batch.sampling is not None
         num = batch.sampling.max_num_logprobs
-        logprobs = top_logprobs(logits, tokens, num) if num is not None else [None] * len(tokens)
-        return StepOutput(tokens.tolist(), logprobs)
+        if num is None:
+            return [None] * len(emitted)
+        out, start = [], 0
+        for tokens, k in zip(emitted, batch.num_draft_tokens, strict=True):
+            rows = logits[start:start + len(tokens)]
+            out.append(top_logprobs(rows, torch.tensor(tokens), num))
+            start += k + 1
+        return out
 

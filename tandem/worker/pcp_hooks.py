@@ -13,7 +13,7 @@ import torch
 
 from tandem.attention.metadata import AttentionMetadata, build_attention_metadata
 from tandem.distributed.groups import Group
-from tandem.worker.input_batch import InputBatch
+from tandem.worker.input_batch import InputBatch, global_attention_metadata
 from tandem.worker.pcp import PCPPartition, local_metadata, pad_local, partition, restore
 
 
@@ -32,13 +32,11 @@ class PCPHooks:
         self.part: PCPPartition | None = None
 
     def maybe_partition(self, batch: InputBatch) -> LocalBatch:
-        writes = batch.slot_mapping >= 0
         if self.pcp.size == 1:
-            meta = build_attention_metadata(batch.positions, batch.query_start_loc_cpu, batch.seq_lens_cpu,
-                                            batch.block_table, self.block_size, writes.nonzero().squeeze(1),
-                                            batch.slot_mapping[writes])
             self.part = None
+            meta = global_attention_metadata(batch, self.block_size)
             return LocalBatch(batch.input_ids, batch.positions, meta, None)
+        writes = batch.slot_mapping >= 0
         part = partition(batch.query_start_loc_cpu.numpy(), batch.is_prefill_cpu.numpy(), self.pcp.size)
         view = local_metadata(part, self.pcp.rank, batch.positions.cpu().numpy(), batch.block_table.cpu().numpy())
         device = batch.input_ids.device

@@ -1,0 +1,103 @@
+"""MTP drafter: K draft tokens per sampling row from the checkpoint's multi-token-prediction module(s).
+
+Step 0 runs over every token of the step (prompt chunks too, so the MTP layer's own paged KV covers
+the whole context): the token at position q is paired with the target's hidden state at q and the
+*next* token id, so each row's ids are shifted left by one and its last valid slot gets the token
+that follows it (the next prompt token of a chunk, or the freshly emitted token of a sampling row).
+Steps 1..K-1 are one-token decodes that feed back the MTP layer's own pre-norm hidden state.
+
+Example, decode row [t9 d1 d2] (positions 9, 10, 11) where the target accepted d1 and emitted x:
+shifted ids [d1 x ?], the draft is sampled at slot 1 (position 10), step 1 runs at position 11.
+The drafter runs over the GLOBAL batch with metadata built from global positions, sequence lengths
+and block tables (the replicated contract of DESIGN §5).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.attention.backend import AttentionBackend
+from tandem.attention.forward_context import forward_context
+from tandem.attention.metadata import PAD_SLOT_ID, AttentionMetadata, build_attention_metadata
+from tandem.engine.step_plan import StepPlan
+from tandem.layers.sampler import SamplingMetadata, keyed_uniform, processed_probs
+from tandem.models.mtp import DeepSeekMTP
+from tandem.worker.input_batch import InputBatch, global_attention_metadata
+
+DRAFT_NOISE_STREAM = 2  # keyed-randomness stream of draft sampling (0: target tokens, 1: acceptance)
+
+
+class MTPProposer:
+    def __init__(self, mtp: DeepSeekMTP, backends: dict[str, type[AttentionBackend]], block_size: int,
+                 max_model_len: int, probabilistic: bool):
+        self.mtp, self.backends, self.block_size = mtp, backends, block_size
+        self.max_model_len, self.probabilistic = max_model_len, probabilistic
+
+    @torch.inference_mode()
+    def propose(self, plan: StepPlan, batch: InputBatch, hidden: torch.Tensor, emitted: list[list[int]],
+                k: int) -> tuple[list[list[int]], list[torch.Tensor] | None]:
+        """hidden: [T, H] the target's final-normed states in global order -> (K drafts per sampling
+        row, and for probabilistic drafting each row's draft distributions [K, V])."""
+        shifted, last_idx = self._shifted_ids(plan, batch, emitted)
+        meta = global_attention_metadata(batch, self.block_size)
+        with forward_context(meta, self.backends):
+            h_logits, h_feedback = self.mtp(shifted, batch.positions, hidden, 0)  # [T, H] each
+        positions = batch.positions[last_idx]  # [S] position of each row's last valid token
+        tokens, probs = self._sample(self.mtp.compute_logits(h_logits[last_idx], 0), batch.sampling, positions + 2)
+        drafts, draft_probs, feedback = [tokens], [probs], h_feedback[last_idx]
+        for step in range(1, k):
+            step_pos = positions + step
+            meta = self._decode_metadata(plan, batch, step_pos)
+            with forward_context(meta, self.backends):
+                h_logits, feedback = self.mtp(drafts[-1], step_pos.clamp(max=self.max_model_len - 1), feedback, step)
+            tokens, probs = self._sample(self.mtp.compute_logits(h_logits, step), batch.sampling, step_pos + 2)
+            drafts.append(tokens)
+            draft_probs.append(probs)
+        per_row = torch.stack(drafts, dim=1).tolist()  # [S, K]
+        if not self.probabilistic:
+            return per_row, None
+        return per_row, list(torch.stack(draft_probs, dim=1).unbind(0))  # S x [K, V]
+
+    def _shifted_ids(self, plan: StepPlan, batch: InputBatch,
+                     emitted: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
+        qsl = batch.query_start_loc_cpu.tolist()
+        shifted = torch.roll(batch.input_ids, -1)  # [T]; each row's last slot is fixed below
+        for i, row in enumerate(plan.rows):
+            if row.next_token_id is not None:
+                shifted[qsl[i + 1] - 1] = row.next_token_id
+        last_idx = []
+        for s, i in enumerate(batch.sample_rows):
+            idx = qsl[i + 1] - 1 - batch.num_draft_tokens[s] + len(emitted[s]) - 1  # last valid token of row i
+            shifted[idx] = emitted[s][-1]
+            last_idx.append(idx)
+        return shifted, last_idx
+
+    def _decode_metadata(self, plan: StepPlan, batch: InputBatch, positions: torch.Tensor) -> AttentionMetadata:
+        """One-token rows at `positions`; a slot beyond a row's reserved blocks (or max_model_len) writes nothing."""
+        table = batch.block_table[batch.sample_rows]  # [S, max_blocks]
+        num_blocks = torch.tensor([len(plan.rows[i].block_ids) for i in batch.sample_rows], device=positions.device)
+        block_idx = positions // self.block_size
+        valid = (block_idx < num_blocks) & (positions < self.max_model_len)
+        safe_idx = torch.where(valid, block_idx, 0)
+        slots = table.gather(1, safe_idx[:, None]).squeeze(1).long() * self.block_size + positions % self.block_size
+        slots = torch.where(valid, slots, PAD_SLOT_ID)
+        n = positions.shape[0]
+        writes = slots >= 0
+        return build_attention_metadata(
+            positions.clamp(max=self.max_model_len - 1), torch.arange(n + 1, dtype=torch.int32),
+            (torch.minimum(positions, torch.tensor(self.max_model_len - 1)) + 1).to(torch.int32).cpu(), table,
+            self.block_size, writes.nonzero().squeeze(1), slots[writes])
+
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata | None,
+                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Greedy drafts take the argmax; probabilistic ones sample the request's processed distribution
+        with keyed noise of their own stream and keep it as q for verification."""
+        if not self.probabilistic or meta is None:
+            return logits.argmax(dim=-1), None
+        probs = processed_probs(logits, meta)  # [S, V]
+        greedy = meta.temperature == 0
+        probs = torch.where(greedy[:, None], torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float(),
+                            probs)
+        noise = -torch.log(keyed_uniform(meta.seeds, positions, logits.shape[-1], stream=DRAFT_NOISE_STREAM))
+        return (probs.double() / noise).argmax(dim=-1), probs
+

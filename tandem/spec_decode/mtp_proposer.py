@@ -22,9 +22,8 @@ from tandem.attention.metadata import PAD_SLOT_ID, AttentionMetadata, build_atte
 from tandem.engine.step_plan import StepPlan
 from tandem.layers.sampler import SamplingMetadata, keyed_uniform, processed_probs
 from tandem.models.mtp import DeepSeekMTP
+from tandem.spec_decode.rejection_sampler import DRAFT_STREAM
 from tandem.worker.input_batch import InputBatch, global_attention_metadata
-
-DRAFT_NOISE_STREAM = 2  # keyed-randomness stream of draft sampling (0: target tokens, 1: acceptance)
 
 
 class MTPProposer:
@@ -98,6 +97,6 @@ class MTPProposer:
         greedy = meta.temperature == 0
         probs = torch.where(greedy[:, None], torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float(),
                             probs)
-        noise = -torch.log(keyed_uniform(meta.seeds, positions, logits.shape[-1], stream=DRAFT_NOISE_STREAM))
+        noise = -torch.log(keyed_uniform(meta.seeds, positions, logits.shape[-1], stream=DRAFT_STREAM))
         return (probs.double() / noise).argmax(dim=-1), probs
 

@@ -121,17 +121,16 @@ def _check_shapes(
     target_logits: torch.Tensor, draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | None,
     num_draft_tokens: list[int], meta: SamplingMetadata,
 ) -> None:
-    total = sum(num_draft_tokens)
+    num_reqs, total = len(num_draft_tokens), sum(num_draft_tokens)
     if min(num_draft_tokens, default=0) < 0:
-        raise ValueError(f"num_draft_tokens={num_draft_tokens} must be >= 0 per request")
-    if target_logits.shape[0] != total + len(num_draft_tokens):
-        raise ValueError(f"target_logits has {target_logits.shape[0]} rows; expected sum(K_i + 1) = "
-                         f"{total + len(num_draft_tokens)} for num_draft_tokens={num_draft_tokens}")
+        raise ValueError(f"num_draft_tokens must be >= 0 per request; got {min(num_draft_tokens)}")
+    if target_logits.shape[0] != total + num_reqs:
+        raise ValueError(f"target_logits has {target_logits.shape[0]} rows; expected sum(K_i + 1) = {total + num_reqs} "
+                         f"for {num_reqs} requests with {total} drafts")
     if draft_token_ids.shape != (total,):
         raise ValueError(f"draft_token_ids shape {tuple(draft_token_ids.shape)}; expected ({total},)")
     if draft_probs is not None and draft_probs.shape != (total, target_logits.shape[-1]):
         raise ValueError(f"draft_probs shape {tuple(draft_probs.shape)}; expected ({total}, "
                          f"{target_logits.shape[-1]})")
-    if meta.seeds.shape[0] != len(num_draft_tokens):
-        raise ValueError(f"meta has {meta.seeds.shape[0]} rows; expected one per request "
-                         f"({len(num_draft_tokens)})")
+    if meta.seeds.shape[0] != num_reqs:
+        raise ValueError(f"meta has {meta.seeds.shape[0]} rows; expected one per request ({num_reqs})")

@@ -1,0 +1,227 @@
+"""Speculative decoding end to end: greedy speculative output equals non-speculative greedy (MTP K=1..3,
+single- and multi-module, n-gram) on MLA+MoE+MTP and GQA+MoE+MTP checkpoints with chunked prefill; MTP
+drafts equal a plain re-computation; dynamic K follows its schedule; accepted drafts earn the bonus."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+from engine_utils import random_prompts
+from hf_oracle import load_hf_model
+from safetensors import safe_open
+
+import tandem.engine.llm_engine as llm_engine
+from tandem import LLM, SamplingParams
+from tandem.config import ConfigError
+from tandem.spec_decode.metrics import SpecDecodeStats
+
+ARCHS = ["deepseek_v3", "glm4_moe"]
+LENGTHS = [3, 5, 8, 12, 17, 20, 25, 31, 38, 44, 50, 57, 63, 70, 81, 95]
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+ENGINE = {"dtype": "float32", "max_num_batched_tokens": 32}
+
+
+def _prompts(n: int = 16) -> list[list[int]]:
+    prompts = random_prompts(LENGTHS[:n], vocab_size=500, seed=13)
+    # a few repetitive prompts, so the n-gram drafter gets accepted now and then
+    prompts[1] = [7, 8, 9, 10] * 6
+    if n > 5:
+        prompts[5] = [11, 12, 13] * 9
+    return prompts
+
+
+def _generate(path: Path, prompts: list[list[int]], params: SamplingParams = GREEDY, **kwargs) -> tuple[LLM, list]:
+    llm = LLM(str(path), **ENGINE, **kwargs)
+    return llm, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+@functools.lru_cache(maxsize=4)
+def _baseline(path: Path) -> list[list[int]]:
+    _, outs = _generate(path, _prompts())
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _metrics(llm: LLM) -> dict:
+    return {m.name: getattr(m, "value", getattr(m, "values", None)) for m in llm.get_metrics()}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("num_mtp_layers,spec", [
+    (1, {"method": "mtp", "num_speculative_tokens": 1}),
+    (1, {"method": "mtp", "num_speculative_tokens": 2}),
+    (1, {"method": "mtp", "num_speculative_tokens": 3}),
+    (2, {"method": "mtp", "num_speculative_tokens": 3}),
+    (1, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}),
+], ids=["mtp-k1", "mtp-k2", "mtp-k3", "mtp2modules-k3", "ngram-k3"])
+def test_greedy_speculative_equals_non_speculative(tiny_checkpoints, arch, num_mtp_layers, spec):
+    path = tiny_checkpoints(arch, num_mtp_layers=num_mtp_layers)
+    llm, outs = _generate(path, _prompts(), speculative_config=spec)
+    for i, (out, ref) in enumerate(zip(outs, _baseline(path), strict=True)):
+        assert out.outputs[0].token_ids == ref, f"{arch} {spec}: prompt {i} diverged from non-speculative greedy"
+    m = _metrics(llm)
+    k = spec["num_speculative_tokens"]
+    assert m["tandem:spec_decode_num_drafts"] > 0
+    assert m["tandem:spec_decode_num_draft_tokens"] <= k * m["tandem:spec_decode_num_drafts"]
+    if spec["method"] == "ngram":
+        assert m["tandem:spec_decode_num_accepted_tokens"] > 0, "repetitive prompts should accept some drafts"
+
+
+def _mtp_reference(path: Path):
+    """A plain re-computation of MTP draft 1 from scratch for a context: the target's final-normed hidden
+    states (HF), the MTP layer's own tensors, and HF's decoder layer as the MTP block."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    trunk = load_hf_model(path)
+    cfg = AutoConfig.from_pretrained(path)
+    num_layers = cfg.num_hidden_layers
+    cfg.num_hidden_layers = num_layers + 1  # load the MTP layer's decoder block as one more trunk layer
+    long = AutoModelForCausalLM.from_pretrained(path, config=cfg, dtype=torch.float32,
+                                                attn_implementation="eager", experts_implementation="eager")
+    block = long.model.layers[num_layers].eval()
+    prefix = f"model.layers.{num_layers}."
+    with safe_open(str(next(path.glob("*.safetensors"))), framework="pt") as f:
+        w = {k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
+    eps = cfg.rms_norm_eps
+
+    def rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    @torch.inference_mode()
+    def draft(context: list[int]) -> int:
+        ids = torch.tensor(context)
+        n = len(context) - 1
+        hidden = trunk.model(ids[None, :n]).last_hidden_state[0]  # [n, H] at positions 0..n-1
+        positions = torch.arange(n)
+        emb = w["embed_tokens.weight"][ids[1:]] * (positions != 0)[:, None]  # embedding zeroed at position 0
+        x = torch.cat((rms(emb, w["enorm.weight"]), rms(hidden, w["hnorm.weight"])), -1) @ w["eh_proj.weight"].T
+        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        y = block(x[None], attention_mask=mask, position_embeddings=long.model.rotary_emb(x[None], positions[None]))
+        y = y[0] if isinstance(y, tuple) else y
+        logits = rms(y[0, -1], w["shared_head.norm.weight"]) @ w["shared_head.head.weight"].T
+        return int(logits.argmax())
+
+    return draft
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mtp_drafts_equal_plain_recomputation_every_step(tiny_checkpoints, arch, monkeypatch):
+    path = tiny_checkpoints(arch, num_mtp_layers=1)
+    prompts = _prompts()[:4]
+    llm = LLM(str(path), **ENGINE, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    steps = []
+    execute = llm.engine.executor.execute
+
+    def recording_execute(plan):
+        out = execute(plan)
+        steps.append((plan, out))
+        return out
+
+    monkeypatch.setattr(llm.engine.executor, "execute", recording_execute)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=8,
+                        ignore_eos=True), use_tqdm=False)
+    full = {o.request_id: o.prompt_token_ids + o.outputs[0].token_ids for o in outs}
+    emitted_so_far = {rid: 0 for rid in full}
+    reference = _mtp_reference(path)
+    checked = 0
+    for plan, out in steps:
+        sampling_rows = [r for r in plan.rows if r.sampling is not None]
+        for row, emitted, drafts in zip(sampling_rows, out.sampled_token_ids, out.draft_token_ids, strict=True):
+            rid = row.request_id
+            prompt_len = len(full[rid]) - len(outs[int(rid)].outputs[0].token_ids)
+            emitted_so_far[rid] += len(emitted)
+            context = full[rid][: prompt_len + emitted_so_far[rid]]
+            assert drafts == [reference(context)], f"{arch} request {rid} after {len(context)} tokens"
+            checked += 1
+    assert checked >= 4 * 8, f"only {checked} request-steps were checked"
+
+
+def test_dynamic_k_follows_the_batch_size_schedule(tiny_checkpoints, monkeypatch):
+    path = tiny_checkpoints("deepseek_v3", num_mtp_layers=1)
+    schedule = [[2, 3], [4, 2], [6, 1]]
+    llm = LLM(str(path), **ENGINE, speculative_config={"method": "mtp", "num_speculative_tokens_per_batch_size":
+                                                       schedule})
+    seen = []
+    scheduler = llm.engine.scheduler
+    schedule_step = scheduler.schedule
+
+    def recording_schedule():
+        running = len(scheduler.running)  # K follows the running requests at the start of the step
+        plan = schedule_step()
+        seen.append((running, [r.num_draft_tokens for r in plan.rows if r.sampling is not None]))
+        return plan
+
+    monkeypatch.setattr(scheduler, "schedule", recording_schedule)
+    prompts = _prompts(8)
+    llm.generate([{"prompt_token_ids": p} for p in prompts],
+                 [SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(8)],
+                 use_tqdm=False)
+
+    def k_for(running: int) -> int:
+        return next((k for bound, k in schedule if running <= bound), 0)
+
+    total = 0
+    for running, drafts in seen:
+        assert all(d <= k_for(running) for d in drafts), f"{running} running requests but drafts {drafts}"
+        total += sum(drafts)
+    assert {k_for(r) for r, d in seen if any(d)} >= {0, 1, 2, 3} - {0}, "every schedule step should occur"
+    m = _metrics(llm)
+    assert m["tandem:spec_decode_num_draft_tokens"] == total
+    assert m["tandem:spec_decode_num_drafts"] == sum(1 for _, d in seen for x in d if x)
+
+
+def test_all_accepted_drafts_earn_the_bonus_token(tiny_checkpoints, monkeypatch):
+    path = tiny_checkpoints("glm4_moe", num_mtp_layers=1)
+    prompts = _prompts(4)
+    future = {tuple(p): ref for p, ref in zip(prompts, _generate(path, prompts)[1], strict=True)}
+    known = {p: list(p) + out.outputs[0].token_ids for p, out in future.items()}
+
+    def perfect_drafter(tokens: list[int], k: int, *_: int) -> list[int]:
+        for prompt, full in known.items():
+            if tuple(tokens[: len(prompt)]) == prompt and full[: len(tokens)] == tokens:
+                return full[len(tokens):len(tokens) + k]
+        raise AssertionError("unknown sequence")
+
+    monkeypatch.setattr(llm_engine, "propose_ngram", perfect_drafter)
+    llm, outs = _generate(path, prompts, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    for out, prompt in zip(outs, prompts, strict=True):
+        assert out.outputs[0].token_ids == future[tuple(prompt)].outputs[0].token_ids
+    m = _metrics(llm)
+    assert m["tandem:spec_decode_num_accepted_tokens"] == m["tandem:spec_decode_num_draft_tokens"] > 0
+    # every verify step emitted all its drafts plus one bonus token
+    assert m["tandem:spec_decode_mean_acceptance_length"] == pytest.approx(
+        1 + m["tandem:spec_decode_num_draft_tokens"] / m["tandem:spec_decode_num_drafts"])
+    assert m["tandem:spec_decode_mean_acceptance_length"] > 3
+
+
+def test_acceptance_metrics_match_their_definitions():
+    stats = SpecDecodeStats()
+    stats.observe(3, 3)  # all accepted: 3 drafts + bonus
+    stats.observe(3, 1)
+    stats.observe(2, 0)
+    stats.observe(0, 0)  # a step without drafts is not a draft
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (3, 8, 4)
+    assert stats.accepted_per_pos == [2, 1, 1]
+    assert stats.acceptance_rate == pytest.approx(4 / 8)
+    assert stats.mean_acceptance_length == pytest.approx(1 + 4 / 3)
+
+
+@pytest.mark.parametrize("spec,field", [
+    ({"method": "mtp"}, "num_speculative_tokens"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "draft_sample_method": "beam"}, "draft_sample_method"),
+    ({"method": "dspark", "num_speculative_tokens": 2}, "speculative_config.model"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     "prompt_lookup_min"),
+    ({"num_speculative_tokens": 2}, "speculative_config.method"),
+    ({"method": "mtp", "num_speculative_tokens_per_batch_size": [[8, 3], [4, 1]]}, "per_batch_size"),
+])
+def test_invalid_speculative_config_is_rejected(tiny_checkpoints, spec, field):
+    with pytest.raises(ConfigError, match=field):
+        LLM(str(tiny_checkpoints("deepseek_v3", num_mtp_layers=1)), speculative_config=spec)
+
+
+def test_mtp_without_mtp_layers_is_rejected(tiny_checkpoints):
+    with pytest.raises(ConfigError, match="num_nextn_predict_layers"):
+        LLM(str(tiny_checkpoints("deepseek_v3")), speculative_config={"method": "mtp", "num_speculative_tokens": 1})

@@ -225,3 +225,13 @@ def test_invalid_speculative_config_is_rejected(tiny_checkpoints, spec, field):
 def test_mtp_without_mtp_layers_is_rejected(tiny_checkpoints):
     with pytest.raises(ConfigError, match="num_nextn_predict_layers"):
         LLM(str(tiny_checkpoints("deepseek_v3")), speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+
+
+def test_cli_summary_reports_acceptance(tiny_checkpoints, capsys):
+    from tandem.entrypoints.cli import main as cli_main
+
+    path = str(tiny_checkpoints("deepseek_v3", num_mtp_layers=1))
+    rc = cli_main(["generate", path, "-p", "1 2 3 1 2 3 1 2", "--max-tokens", "8", "--ignore-eos", "--dtype",
+                   "float32", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
+    out = capsys.readouterr().out
+    assert rc == 0 and "=== speculative decoding: acceptance rate" in out and "mean acceptance length" in out

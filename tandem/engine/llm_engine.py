@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import random
+import time
 
 from tandem.config import ConfigError, EngineConfig
 from tandem.engine.metrics import Counter, EngineStats, Gauge, Metric, Vector
@@ -17,6 +19,9 @@ from tandem.sampling_params import SamplingParams
 from tandem.spec_decode.metrics import SpecDecodeStats
 from tandem.spec_decode.ngram import propose_ngram
 from tandem.tokenizer import Tokenizer
+
+logger = logging.getLogger("tandem")
+LOG_INTERVAL_S = 10.0
 
 
 class LLMEngine:
@@ -38,6 +43,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._rng = random.Random(config.model_config.seed)
+        self._last_log, self._last_log_tokens = time.monotonic(), 0
 
     def add_request(self, prompt: str | list[int], params: SamplingParams,
                     request_id: str | None = None) -> Request | RequestOutput:
@@ -74,6 +80,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step; return the requests that finished in it."""
+        self._maybe_log_stats()
         plan = self.scheduler.schedule()
         if not plan.rows:
             return []
@@ -140,6 +147,19 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is not None:
             self.scheduler.finish(req, "abort")
+
+    def _maybe_log_stats(self) -> None:
+        now = time.monotonic()
+        if now - self._last_log < LOG_INTERVAL_S:
+            return
+        tokens = self.stats.num_generation_tokens
+        rate = (tokens - self._last_log_tokens) / (now - self._last_log)
+        self._last_log, self._last_log_tokens = now, tokens
+        spec = (f", spec decode: acceptance rate {self.spec_stats.acceptance_rate:.3f}, mean acceptance length "
+                f"{self.spec_stats.mean_acceptance_length:.3f}" if self.spec.enabled else "")
+        logger.info("generation %.1f tokens/s, running %d, waiting %d, KV cache %.1f%%%s", rate,
+                    len(self.scheduler.running), len(self.scheduler.waiting),
+                    100 * self.scheduler.block_manager.usage(), spec)
 
     def get_metrics(self) -> list[Metric]:
         bm, s = self.scheduler.block_manager, self.stats

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 
@@ -53,6 +54,11 @@ def run_generate(args: argparse.Namespace) -> int:
     num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     print(f"=== {len(outputs)} prompts, {num_tokens} generated tokens in {elapsed:.2f} s "
           f"({num_tokens / max(elapsed, 1e-9):.1f} tokens/s)")
+    metrics = {m.name: m for m in llm.get_metrics()}
+    if "tandem:spec_decode_num_drafts" in metrics:
+        rate, length = (metrics[f"tandem:spec_decode_{n}"].value  # type: ignore[union-attr]
+                        for n in ("acceptance_rate", "mean_acceptance_length"))
+        print(f"=== speculative decoding: acceptance rate {rate:.3f}, mean acceptance length {length:.3f}")
     llm.shutdown()
     return 0 if all(o.error is None for o in outputs) else 1
 
@@ -65,6 +71,7 @@ def run_convert(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)

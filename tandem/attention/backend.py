@@ -13,6 +13,7 @@ from typing import ClassVar
 import torch
 
 from tandem.attention.metadata import AttentionMetadata
+from tandem.config import EngineConfig
 
 ATTENTION_KINDS = ("full_attention", "mla_attention")
 
@@ -45,6 +46,17 @@ def registered_backends() -> dict[str, type[AttentionBackend]]:
     return dict(_REGISTRY)
 
 
+def select_target_backends(config: EngineConfig) -> dict[str, type[AttentionBackend]]:
+    """The target model's backend per attention kind: `backend_per_kind` › `backend` › automatic."""
+    from tandem.models.registry import attention_kind, resolve_model_class
+
+    resolve_model_class(config.model_config.architecture)  # an unknown architecture is named first
+    attn = config.attention_config
+    kind = attention_kind(config.model_config.architecture)
+    use_pcp = config.parallel_config.prefill_context_parallel_size > 1
+    return {kind: select_backend(kind, attn.backend_per_kind.get(kind, attn.backend), use_pcp)}
+
+
 def select_backend(kind: str, requested: str | None, use_pcp: bool) -> type[AttentionBackend]:
     """The backend for one attention kind: the requested one if it can serve, else the first capable."""
     if kind not in ATTENTION_KINDS:
@@ -60,7 +72,9 @@ def select_backend(kind: str, requested: str | None, use_pcp: bool) -> type[Atte
         if use_pcp and not cls.supports_pcp():
             raise ValueError(f"attention backend {requested!r} does not support prefill context parallelism")
         return cls
-    for cls in backends.values():
+    # Automatic selection prefers PCP-capable backends even without PCP, so the choice does not
+    # change with the layout (and a drafter resolved with use_pcp=True gets the same one).
+    for cls in sorted(backends.values(), key=lambda c: not c.supports_pcp()):
         if kind in cls.kinds and (cls.supports_pcp() or not use_pcp):
             return cls
     raise ValueError(f"no attention backend serves {kind} with use_pcp={use_pcp}")

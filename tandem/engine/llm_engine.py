@@ -7,6 +7,7 @@ import logging
 import random
 import time
 
+from tandem.attention.backend import select_target_backends
 from tandem.config import ConfigError, EngineConfig
 from tandem.engine.metrics import Counter, EngineStats, Gauge, Metric, Vector
 from tandem.engine.request import Request
@@ -28,6 +29,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config.validate()
         self.tokenizer = Tokenizer(config.model_config.model)
+        select_target_backends(config)  # a backend that cannot serve this layout fails here, before any rank starts
         self.executor = _make_executor(config)
         num_blocks = self.executor.num_kv_blocks
         capacity = num_blocks * config.cache_config.block_size

@@ -15,6 +15,14 @@ _MODELS: dict[str, tuple[str, str]] = {
 }
 
 
+_MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
+
+
+def attention_kind(architecture: str) -> str:
+    """The attention kind a model's layers use (one per model in tandem's registry)."""
+    return "mla_attention" if architecture in _MLA_ARCHITECTURES else "full_attention"
+
+
 def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 

@@ -8,11 +8,15 @@ Steps 1..K-1 are one-token decodes that feed back the MTP layer's own pre-norm h
 
 Example, decode row [t9 d1 d2] (positions 9, 10, 11) where the target accepted d1 and emitted x:
 shifted ids [d1 x ?], the draft is sampled at slot 1 (position 10), step 1 runs at position 11.
-The drafter runs over the GLOBAL batch with metadata built from global positions, sequence lengths
-and block tables (the replicated contract of DESIGN §5).
+Draft step 0 runs in one of the two modes of DESIGN §5: replicated, over the GLOBAL batch with metadata
+rebuilt from global positions, sequence lengths and block tables; or sharded, on the rank's PCP segments
+with the target's local metadata (ids shifted globally, then localized) and restored before sampling.
+Steps 1..K-1 are global decodes either way.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -24,6 +28,16 @@ from tandem.layers.sampler import SamplingMetadata, keyed_uniform, processed_pro
 from tandem.models.mtp import DeepSeekMTP
 from tandem.spec_decode.rejection_sampler import DRAFT_STREAM
 from tandem.worker.input_batch import InputBatch, global_attention_metadata
+from tandem.worker.pcp_hooks import LocalBatch, PCPHooks
+
+
+@dataclass
+class ShardedStep:
+    """What sharded drafting reuses from the target's step: its local view, hidden states and PCP hooks."""
+
+    local: LocalBatch
+    hidden_local: torch.Tensor  # [T_r, H] the target's rank-local final-normed hidden states
+    pcp: PCPHooks
 
 
 class MTPProposer:
@@ -34,13 +48,17 @@ class MTPProposer:
 
     @torch.inference_mode()
     def propose(self, plan: StepPlan, batch: InputBatch, hidden: torch.Tensor, emitted: list[list[int]],
-                k: int) -> tuple[list[list[int]], list[torch.Tensor] | None]:
+                k: int, sharded: ShardedStep | None = None) -> tuple[list[list[int]], list[torch.Tensor] | None]:
         """hidden: [T, H] the target's final-normed states in global order -> (K drafts per sampling
-        row, and for probabilistic drafting each row's draft distributions [K, V])."""
-        shifted, last_idx = self._shifted_ids(plan, batch, emitted)
-        meta = global_attention_metadata(batch, self.block_size)
-        with forward_context(meta, self.backends):
-            h_logits, h_feedback = self.mtp(shifted, batch.positions, hidden, 0)  # [T, H] each
+        row, and for probabilistic drafting each row's draft distributions [K, V]). With `sharded`, draft
+        step 0 runs on this rank's PCP segments instead of the whole global batch."""
+        shifted, last_idx = self._shifted_ids(plan, batch, emitted)  # global: a next token may be remote
+        if sharded is None:
+            meta = global_attention_metadata(batch, self.block_size)
+            with forward_context(meta, self.backends):
+                h_logits, h_feedback = self.mtp(shifted, batch.positions, hidden, 0)  # [T, H] each
+        else:
+            h_logits, h_feedback = self._sharded_step0(shifted, sharded)
         positions = batch.positions[last_idx]  # [S] position of each row's last valid token
         tokens, probs = self._sample(self.mtp.compute_logits(h_logits[last_idx], 0), batch.sampling, positions + 2)
         drafts, draft_probs, feedback = [tokens], [probs], h_feedback[last_idx]
@@ -56,6 +74,15 @@ class MTPProposer:
         if not self.probabilistic:
             return per_row, None
         return per_row, list(torch.stack(draft_probs, dim=1).unbind(0))  # S x [K, V]
+
+    def _sharded_step0(self, shifted: torch.Tensor, step: ShardedStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft step 0 on the rank-local segments, reusing the target's local metadata and PCP buffers;
+        the outputs are restored to global order before sampling."""
+        local, pcp = step.local, step.pcp
+        ids = shifted if local.token_idx is None else shifted[local.token_idx]  # [T_r]
+        with forward_context(local.attn_metadata, self.backends, pcp.gather_kv):
+            h_logits, h_feedback = self.mtp(ids, local.positions, step.hidden_local, 0)  # [T_r, H] each
+        return pcp.maybe_restore(h_logits), pcp.maybe_restore(h_feedback)
 
     def _shifted_ids(self, plan: StepPlan, batch: InputBatch,
                      emitted: list[list[int]]) -> tuple[torch.Tensor, list[int]]:

@@ -21,6 +21,7 @@ from tandem.worker.pcp import PCPPartition, local_metadata, pad_local, partition
 class LocalBatch:
     input_ids: torch.Tensor  # [T_r] int64
     positions: torch.Tensor  # [T_r] int64
+    token_idx: torch.Tensor | None  # [T_r] int64 global index of each local token; None at PCP size 1
     attn_metadata: AttentionMetadata
     part: PCPPartition | None  # None at PCP size 1
 
@@ -35,7 +36,7 @@ class PCPHooks:
         if self.pcp.size == 1:
             self.part = None
             meta = global_attention_metadata(batch, self.block_size)
-            return LocalBatch(batch.input_ids, batch.positions, meta, None)
+            return LocalBatch(batch.input_ids, batch.positions, None, meta, None)
         writes = batch.slot_mapping >= 0
         part = partition(batch.query_start_loc_cpu.numpy(), batch.is_prefill_cpu.numpy(), self.pcp.size)
         view = local_metadata(part, self.pcp.rank, batch.positions.cpu().numpy(), batch.block_table.cpu().numpy())
@@ -49,7 +50,7 @@ class PCPHooks:
             torch.from_numpy(view.seq_lens), torch.from_numpy(view.block_table).to(device), self.block_size,
             write_rows, batch.slot_mapping[writes])
         self.part = part
-        return LocalBatch(batch.input_ids[token_idx], meta.positions, meta, part)
+        return LocalBatch(batch.input_ids[token_idx], meta.positions, token_idx, meta, part)
 
     def gather_kv(self, x: torch.Tensor) -> torch.Tensor:
         """[T_r, ...] this rank's new K/V -> [P * max_local, ...] every rank's (identity at PCP size 1)."""

@@ -102,6 +102,7 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     prefill_context_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    decode_context_parallel_size: int = 1  # accepted as a name only: DCP is outside tandem's contract
 
     @property
     def world_size(self) -> int:
@@ -120,6 +121,7 @@ class SpeculativeConfig:
     model: str | None = None
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
+    adaptive_verification: bool = False  # accepted as a name only, and rejected: not implemented
 
     @property
     def enabled(self) -> bool:
@@ -217,10 +219,30 @@ class EngineConfig:
             if getattr(p, name) < 1:
                 _fail(name, getattr(p, name), "a positive integer")
         self.speculative_config.validate(m)
+        self._reject_unsupported()
         if self.compilation_config.cudagraph_mode not in CUDAGRAPH_MODES:
             _fail("compilation_config.cudagraph_mode", self.compilation_config.cudagraph_mode,
                   f"one of {', '.join(CUDAGRAPH_MODES)}")
         return self
+
+    def _reject_unsupported(self) -> None:
+        p, pcp = self.parallel_config, self.parallel_config.prefill_context_parallel_size
+        if p.decode_context_parallel_size != 1:
+            _unsupported("decode_context_parallel_size", p.decode_context_parallel_size,
+                         "decode context parallelism (DCP) is outside tandem's PCP contract; use 1")
+        if self.speculative_config.adaptive_verification:
+            _unsupported("speculative_config.adaptive_verification", True,
+                         "verification always checks every draft (greedy or probabilistic)")
+        if self.model_config.get("index_topk") is not None:
+            _unsupported("sparse MLA (config.json index_topk)", self.model_config.get("index_topk"),
+                         "tandem's MLA backends attend densely")
+        if self.compilation_config.cudagraph_mode == "FULL" and pcp > 1:
+            _unsupported("compilation_config.cudagraph_mode", "FULL", "full graphs do not cover PCP's "
+                         "per-step partition and collectives; use PIECEWISE with prefill_context_parallel_size > 1")
+
+
+def _unsupported(what: str, value: Any, why: str) -> None:
+    raise ConfigError(f"{what}={value!r} is not supported: {why}")
 
 
 def config_fields(cls: type) -> set[str]:

@@ -103,3 +103,27 @@ def test_invalid_sampling_params_name_the_field(kwargs, field):
 def test_cli_reports_bad_model_folder_cleanly(tmp_path, capsys):
     assert cli_main(["generate", str(tmp_path), "-p", "hi"]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "adaptive_verification": True}},
+     "adaptive_verification"),
+    ({"prefill_context_parallel_size": 2, "compilation_config": {"cudagraph_mode": "FULL"}}, "FULL.*PIECEWISE"),
+])
+def test_unsupported_combinations_are_rejected_at_start_up(tiny_checkpoints, kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        LLM(str(tiny_checkpoints("llama")), **kwargs)
+
+
+def test_sparse_mla_and_dcp_are_rejected(tiny_checkpoints, tmp_path):
+    from tandem.config import EngineConfig, ModelConfig, ParallelConfig
+
+    folder = _copy(tiny_checkpoints("deepseek_v3"), tmp_path / "m")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["index_topk"] = 2048
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="sparse MLA"):
+        LLM(str(folder))
+    model = ModelConfig.from_path(str(tiny_checkpoints("deepseek_v3")))
+    with pytest.raises(ConfigError, match="decode_context_parallel_size"):
+        EngineConfig(model, parallel_config=ParallelConfig(decode_context_parallel_size=2)).validate()

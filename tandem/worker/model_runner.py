@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import torch
 
-from tandem.attention.backend import AttentionBackend, select_backend
+from tandem.attention.backend import select_target_backends
 from tandem.attention.forward_context import forward_context
 from tandem.config import EngineConfig
 from tandem.distributed.groups import SINGLE_RANK, ParallelGroups
 from tandem.engine.step_plan import StepOutput, StepPlan
 from tandem.layers.sampler import sample, top_logprobs
+from tandem.models.dspark import load_dspark_drafter
 from tandem.models.loader import build_model
+from tandem.spec_decode.dspark_proposer import DSparkProposer
 from tandem.spec_decode.mtp_proposer import MTPProposer
 from tandem.spec_decode.rejection_sampler import rejection_sample
 from tandem.worker.input_batch import InputBatch, prepare_inputs
-from tandem.worker.kv_cache import allocate_kv_caches, attention_modules, bytes_per_block
+from tandem.worker.kv_cache import allocate_kv_caches, bytes_per_block
 from tandem.worker.pcp_hooks import PCPHooks
 
 
@@ -24,34 +26,41 @@ class ModelRunner:
         self.device = config.device
         self.block_size = config.cache_config.block_size
         self.model = build_model(config.model_config, groups, self.device)
-        self.backends = self._select_backends()
+        self.backends = select_target_backends(config)
         self.pcp = PCPHooks(groups.pcp, self.block_size)
         spec = config.speculative_config
-        self.proposer = (MTPProposer(self.model.mtp, self.backends, self.block_size,
-                                     config.model_config.max_model_len, spec.draft_sample_method == "probabilistic")
-                         if spec.method == "mtp" else None)
+        self.proposer = self._build_proposer()
         # distributions the last proposal's drafts were sampled from, per request (probabilistic drafting)
         self.draft_probs: dict[str, torch.Tensor] | None = (
             {} if self.proposer is not None and spec.draft_sample_method == "probabilistic" else None)
 
-    def _select_backends(self) -> dict[str, type[AttentionBackend]]:
-        attn = self.config.attention_config
-        use_pcp = self.config.parallel_config.prefill_context_parallel_size > 1
-        kinds = {m.kind for m in attention_modules(self.model)}
-        return {kind: select_backend(kind, attn.backend_per_kind.get(kind, attn.backend), use_pcp)
-                for kind in sorted(kinds)}
+    def _build_proposer(self) -> MTPProposer | DSparkProposer | None:
+        spec, model = self.config.speculative_config, self.config.model_config
+        probabilistic = spec.draft_sample_method == "probabilistic"
+        if spec.method == "mtp":
+            return MTPProposer(self.model.mtp, self.backends, self.block_size, model.max_model_len, probabilistic)
+        if spec.method == "dspark":  # always replicated over the global batch (DESIGN §5)
+            assert spec.model is not None
+            drafter = load_dspark_drafter(spec.model, model, spec.max_num_speculative_tokens, self.device)
+            return DSparkProposer(drafter, self.model, self.block_size, probabilistic)
+        return None
 
     def num_kv_blocks(self) -> int:
         cache = self.config.cache_config
         if cache.num_gpu_blocks is not None:
             return cache.num_gpu_blocks
-        per_block = bytes_per_block(self.model, self.backends, self.block_size, self.config.model_config.dtype)
+        dtype = self.config.model_config.dtype
+        per_block = bytes_per_block(self.model, self.backends, self.block_size, dtype)
+        if isinstance(self.proposer, DSparkProposer):  # the drafter's own cache shares the block pool
+            per_block += self.proposer.kv_bytes_per_block(self.block_size, dtype)
         return max(1, cache.kv_cache_memory_bytes // max(per_block, 1))
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         allocate_kv_caches(self.model, self.backends, num_blocks, self.block_size,
                            self.config.model_config.dtype, self.device)
+        if isinstance(self.proposer, DSparkProposer):
+            self.proposer.allocate_kv_cache(num_blocks, self.block_size, self.config.model_config.dtype, self.device)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -60,6 +69,7 @@ class ModelRunner:
         with forward_context(local.attn_metadata, self.backends, self.pcp.gather_kv):
             hidden = self.model(local.input_ids, local.positions)  # [T_local, hidden]
         hidden = self.pcp.maybe_restore(hidden)  # [T_global, hidden]
+        self._maybe_write_draft_context(batch)
         if batch.sampling is None:
             return StepOutput([], [])
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [sum_i (K_i + 1), vocab] float32
@@ -67,14 +77,21 @@ class ModelRunner:
         drafts = self._propose(plan, batch, hidden, emitted)
         return StepOutput(emitted, self._logprobs(batch, logits, emitted), drafts)
 
+    def _maybe_write_draft_context(self, batch: InputBatch) -> None:
+        """DSpark's context K/V covers every target token, so it is written on every step, sampling or not."""
+        if isinstance(self.proposer, DSparkProposer):
+            aux = self.pcp.maybe_restore(self.proposer.take_aux_hidden())  # [T_global, n_layers * hidden]
+            self.proposer.write_context(batch, aux)
+
     def _verify_or_sample(self, plan: StepPlan, batch: InputBatch, logits: torch.Tensor) -> list[list[int]]:
         assert batch.sampling is not None
         if not any(batch.num_draft_tokens):
             return [[t] for t in sample(logits, batch.sampling).tolist()]
         draft_probs = None
         if self.draft_probs is not None:
+            # a row without drafts (a prompt's last chunk) has no distributions to look up
             draft_probs = torch.cat([self.draft_probs[plan.rows[i].request_id][:k]
-                                     for i, k in zip(batch.sample_rows, batch.num_draft_tokens, strict=True)])
+                                     for i, k in zip(batch.sample_rows, batch.num_draft_tokens, strict=True) if k])
         emitted, _ = rejection_sample(logits, batch.draft_token_ids, draft_probs, batch.num_draft_tokens,
                                       batch.sampling)
         return emitted

@@ -1,0 +1,127 @@
+"""DSpark drafter: K draft tokens per sampling row from one block of the semi-autoregressive drafter (models/dspark.py).
+Scope: capture of the target's layer outputs, the drafter's context K/V every step, block proposal and Markov sampling.
+
+Every step, `write_context` turns the target's captured layer outputs (PCP-restored, global order) into each draft
+layer's context K/V for every target token of the step, prompt chunks and rejected drafts included (a rejected
+position is simply overwritten when it is recomputed). `propose` then runs one block per sampling row:
+
+    decode row [t9 d1 d2] at positions 9..11, the target accepted d1 and emitted x:
+    P = 10 (d1, the last valid token), block = [x, noise, .., noise] at positions 11 .. 10+B,
+    keys = context K/V 0..10 + the block's own; slot j is sampled at position P+2+j = 12+j.
+
+DSpark always runs replicated (DESIGN §5): every rank writes and reads the whole global batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from tandem.engine.step_plan import StepPlan
+from tandem.layers.sampler import SamplingMetadata, keyed_uniform, processed_probs
+from tandem.models.dspark import ContextPrefix, DSparkDrafter
+from tandem.spec_decode.rejection_sampler import DRAFT_STREAM
+from tandem.worker.input_batch import InputBatch
+
+
+class DSparkProposer:
+    def __init__(self, drafter: DSparkDrafter, target: nn.Module, block_size: int, probabilistic: bool):
+        self.drafter, self.target, self.block_size, self.probabilistic = drafter, target, block_size, probabilistic
+        self.layer_ids = drafter.config.target_layer_ids
+        self._aux: dict[int, torch.Tensor] = {}  # target layer id -> its output [T_local, target_hidden]
+        for i in set(self.layer_ids):
+            target.model.layers[i].register_forward_hook(self._keeper(i))
+        self.last_confidence = torch.empty(0)  # [S, K] confidence of each draft of the last proposal
+        self._confidence_sum, self._num_confidences = 0.0, 0
+
+    def _keeper(self, layer_id: int) -> Callable[[nn.Module, object, torch.Tensor], None]:
+        def keep(_module: nn.Module, _args: object, output: torch.Tensor) -> None:
+            self._aux[layer_id] = output
+
+        return keep
+
+    def take_aux_hidden(self) -> torch.Tensor:
+        """[T_local, len(target_layer_ids) * target_hidden]: the captured outputs of the target's last forward,
+        concatenated in target_layer_ids order (one tensor, so PCP restores them in one collective)."""
+        aux = torch.cat([self._aux[i] for i in self.layer_ids], dim=-1)
+        self._aux.clear()  # a stale capture must never be written as the next step's context
+        return aux
+
+    def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        elems = sum(torch.Size(a.kv_cache_shape(1, block_size)).numel() for a in self.drafter.attention_layers())
+        return elems * torch.finfo(dtype).bits // 8
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: str) -> None:
+        """One cache per draft layer over the same block pool as the target: a token's slot is the target's."""
+        for attn in self.drafter.attention_layers():
+            attn.kv_cache = torch.zeros(attn.kv_cache_shape(num_blocks, block_size), dtype=dtype, device=device)
+
+    @property
+    def mean_confidence(self) -> float:
+        return self._confidence_sum / self._num_confidences if self._num_confidences else 0.0
+
+    @torch.inference_mode()
+    def write_context(self, batch: InputBatch, aux_hidden: torch.Tensor) -> None:
+        """aux_hidden: [T, len(target_layer_ids) * target_hidden], global order -> context K/V at the batch's slots."""
+        self.drafter.write_context(aux_hidden, batch.positions, batch.slot_mapping)
+
+    @torch.inference_mode()
+    def propose(self, plan: StepPlan, batch: InputBatch, hidden: torch.Tensor, emitted: list[list[int]],
+                k: int) -> tuple[list[list[int]], list[torch.Tensor] | None]:
+        """-> (K drafts per sampling row, and for probabilistic drafting each row's draft distributions [K, V]).
+        `hidden` (the target's final states) is unused: DSpark reads the layer outputs given to write_context."""
+        b = self.drafter.config.block_size
+        last_pos = batch.positions[last_valid_indices(batch, emitted)]  # [S] P of each row
+        anchors = torch.tensor([e[-1] for e in emitted], device=last_pos.device)  # [S] token at P + 1
+        block_ids = torch.full((len(emitted), b), self.drafter.config.noise_token_id, device=last_pos.device)
+        block_ids[:, 0] = anchors  # [S, B]
+        positions = last_pos[:, None] + 1 + torch.arange(b, device=last_pos.device)  # [S, B]: P+1 .. P+B
+        prefix = ContextPrefix.build(batch.block_table[batch.sample_rows], last_pos + 1, self.block_size, b)
+        h = self.drafter(self.target.model.embed_tokens(block_ids.flatten()), positions.flatten(), prefix)
+        h = h.view(len(emitted), b, -1)[:, :k]  # [S, K, hidden]: only the slots that become drafts
+        logits = self.target.compute_logits(h.flatten(0, 1)).view(len(emitted), k, -1)  # [S, K, V] float32
+        self._record_confidence(self.drafter.confidence(h.flatten(0, 1)).view(len(emitted), k))
+        drafts, probs, prev = [], [], anchors
+        for j in range(k):  # left to right: the Markov head conditions slot j on the token drafted at j - 1
+            prev, q = sample_draft(logits[:, j] + self.drafter.markov_head(prev), batch.sampling, last_pos + 2 + j,
+                                   self.probabilistic)
+            drafts.append(prev)
+            probs.append(q)
+        per_row = torch.stack(drafts, dim=1).tolist()  # [S, K]
+        if not self.probabilistic:
+            return per_row, None
+        return per_row, list(torch.stack(probs, dim=1).unbind(0))  # S x [K, V]
+
+    def _record_confidence(self, confidence: torch.Tensor) -> None:
+        self.last_confidence = confidence  # [S, K]
+        self._confidence_sum += float(confidence.sum())
+        self._num_confidences += confidence.numel()
+
+
+def last_valid_indices(batch: InputBatch, emitted: list[list[int]]) -> list[int]:
+    """Token index of each sampling row's last valid target token: its last token less the rejected drafts.
+
+    Example: decode row [t9 d1 d2] at token indices 4..6 with 2 drafts, emitted [d1, x] (d1 accepted):
+    6 - 2 + (2 - 1) = 5, the index of d1; a prompt chunk (no drafts, emitted [x]) gives its last token.
+    """
+    qsl = batch.query_start_loc_cpu.tolist()
+    return [qsl[i + 1] - 1 - k + len(e) - 1
+            for i, k, e in zip(batch.sample_rows, batch.num_draft_tokens, emitted, strict=True)]
+
+
+def sample_draft(logits: torch.Tensor, meta: SamplingMetadata | None, positions: torch.Tensor,
+                 probabilistic: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits: [S, V]; positions: [S] of the drafts -> (drafts [S], the distribution q [S, V] they were drawn from).
+
+    Greedy drafts take the argmax; probabilistic ones sample the request's processed distribution with keyed
+    noise of their own stream (DRAFT_STREAM) and keep it as q for verification (same rule as MTPProposer)."""
+    if not probabilistic or meta is None:
+        return logits.argmax(dim=-1), None
+    probs = processed_probs(logits, meta)  # [S, V]
+    greedy = meta.temperature == 0
+    probs = torch.where(greedy[:, None], torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float(),
+                        probs)
+    noise = -torch.log(keyed_uniform(meta.seeds, positions, logits.shape[-1], stream=DRAFT_STREAM))
+    return (probs.double() / noise).argmax(dim=-1), probs

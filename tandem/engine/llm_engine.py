@@ -17,6 +17,7 @@ from tandem.executor.torchrun import TorchrunExecutor, launched_by_torchrun
 from tandem.executor.uniproc import UniprocExecutor
 from tandem.outputs import CompletionOutput, RequestOutput
 from tandem.sampling_params import SamplingParams
+from tandem.spec_decode.draft_mode import resolve_draft_mode
 from tandem.spec_decode.metrics import SpecDecodeStats
 from tandem.spec_decode.ngram import propose_ngram
 from tandem.tokenizer import Tokenizer
@@ -29,7 +30,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config.validate()
         self.tokenizer = Tokenizer(config.model_config.model)
-        select_target_backends(config)  # a backend that cannot serve this layout fails here, before any rank starts
+        # A backend that cannot serve this layout fails here, before any rank starts.
+        select_target_backends(config)
+        self.spec = config.speculative_config
+        self.draft_mode = resolve_draft_mode(config)
         self.executor = _make_executor(config)
         num_blocks = self.executor.num_kv_blocks
         capacity = num_blocks * config.cache_config.block_size
@@ -37,7 +41,9 @@ class LLMEngine:
             raise ConfigError(f"the KV cache holds {capacity} tokens ({num_blocks} blocks), fewer than "
                               f"max_model_len={config.model_config.max_model_len}: lower max_model_len or "
                               "give the cache more memory (kv_cache_memory_bytes / num_gpu_blocks)")
-        self.spec = config.speculative_config
+        if self.spec.enabled:
+            logger.info("speculative decoding: %s, draft mode %s (%s)", self.spec.method, self.draft_mode.mode,
+                        self.draft_mode.reason)
         self.spec_stats = SpecDecodeStats()
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, config.model_config, num_blocks,
                                    self.spec)

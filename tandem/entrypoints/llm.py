@@ -49,6 +49,11 @@ class LLM:
         bar.close()
         return [results[rid] for rid in order]
 
+    @property
+    def draft_mode(self) -> str | None:
+        """How the drafter runs under PCP: "sharded", "replicated", or None without a drafter model."""
+        return self.engine.draft_mode.mode
+
     def get_metrics(self) -> list[Metric]:
         return self.engine.get_metrics()
 

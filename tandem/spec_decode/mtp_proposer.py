@@ -59,6 +59,8 @@ class MTPProposer:
                 h_logits, h_feedback = self.mtp(shifted, batch.positions, hidden, 0)  # [T, H] each
         else:
             h_logits, h_feedback = self._sharded_step0(shifted, sharded)
+        if k == 0 or not last_idx:
+            return [[] for _ in last_idx], None  # step 0 only kept the MTP layer's KV up to date
         positions = batch.positions[last_idx]  # [S] position of each row's last valid token
         tokens, probs = self._sample(self.mtp.compute_logits(h_logits[last_idx], 0), batch.sampling, positions + 2)
         drafts, draft_probs, feedback = [tokens], [probs], h_feedback[last_idx]

@@ -12,8 +12,10 @@ from tandem.engine.step_plan import StepOutput, StepPlan
 from tandem.layers.sampler import sample, top_logprobs
 from tandem.models.dspark import load_dspark_drafter
 from tandem.models.loader import build_model
+from tandem.models.registry import attention_kind
+from tandem.spec_decode.draft_mode import resolve_draft_mode
 from tandem.spec_decode.dspark_proposer import DSparkProposer
-from tandem.spec_decode.mtp_proposer import MTPProposer
+from tandem.spec_decode.mtp_proposer import MTPProposer, ShardedStep
 from tandem.spec_decode.rejection_sampler import rejection_sample
 from tandem.worker.input_batch import InputBatch, prepare_inputs
 from tandem.worker.kv_cache import allocate_kv_caches, bytes_per_block
@@ -29,6 +31,7 @@ class ModelRunner:
         self.backends = select_target_backends(config)
         self.pcp = PCPHooks(groups.pcp, self.block_size)
         spec = config.speculative_config
+        self.draft_mode = resolve_draft_mode(config)
         self.proposer = self._build_proposer()
         # distributions the last proposal's drafts were sampled from, per request (probabilistic drafting)
         self.draft_probs: dict[str, torch.Tensor] | None = (
@@ -38,7 +41,9 @@ class ModelRunner:
         spec, model = self.config.speculative_config, self.config.model_config
         probabilistic = spec.draft_sample_method == "probabilistic"
         if spec.method == "mtp":
-            return MTPProposer(self.model.mtp, self.backends, self.block_size, model.max_model_len, probabilistic)
+            assert self.draft_mode.backend is not None
+            backends = {attention_kind(model.architecture): self.draft_mode.backend}
+            return MTPProposer(self.model.mtp, backends, self.block_size, model.max_model_len, probabilistic)
         if spec.method == "dspark":  # always replicated over the global batch (DESIGN §5)
             assert spec.model is not None
             drafter = load_dspark_drafter(spec.model, model, spec.max_num_speculative_tokens, self.device)
@@ -68,14 +73,12 @@ class ModelRunner:
         local = self.pcp.maybe_partition(batch)  # identity at PCP size 1
         with forward_context(local.attn_metadata, self.backends, self.pcp.gather_kv):
             hidden = self.model(local.input_ids, local.positions)  # [T_local, hidden]
-        hidden = self.pcp.maybe_restore(hidden)  # [T_global, hidden]
+        hidden_local, hidden = hidden, self.pcp.maybe_restore(hidden)  # [T_global, hidden]
         self._maybe_write_draft_context(batch)
-        if batch.sampling is None:
-            return StepOutput([], [])
-        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [sum_i (K_i + 1), vocab] float32
-        emitted = self._verify_or_sample(plan, batch, logits)
-        drafts = self._propose(plan, batch, hidden, emitted)
-        return StepOutput(emitted, self._logprobs(batch, logits, emitted), drafts)
+        emitted, logprobs = self._verify_or_sample(plan, batch, hidden)
+        sharded = ShardedStep(local, hidden_local, self.pcp) if self.draft_mode.mode == "sharded" else None
+        drafts = self._propose(plan, batch, hidden, emitted, sharded)
+        return StepOutput(emitted, logprobs, drafts)
 
     def _maybe_write_draft_context(self, batch: InputBatch) -> None:
         """DSpark's context K/V covers every target token, so it is written on every step, sampling or not."""
@@ -83,7 +86,15 @@ class ModelRunner:
             aux = self.pcp.maybe_restore(self.proposer.take_aux_hidden())  # [T_global, n_layers * hidden]
             self.proposer.write_context(batch, aux)
 
-    def _verify_or_sample(self, plan: StepPlan, batch: InputBatch, logits: torch.Tensor) -> list[list[int]]:
+    def _verify_or_sample(self, plan: StepPlan, batch: InputBatch,
+                          hidden: torch.Tensor) -> tuple[list[list[int]], list[list[dict[int, float]] | None]]:
+        if batch.sampling is None:
+            return [], []
+        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [sum_i (K_i + 1), vocab] float32
+        emitted = self._emit(plan, batch, logits)
+        return emitted, self._logprobs(batch, logits, emitted)
+
+    def _emit(self, plan: StepPlan, batch: InputBatch, logits: torch.Tensor) -> list[list[int]]:
         assert batch.sampling is not None
         if not any(batch.num_draft_tokens):
             return [[t] for t in sample(logits, batch.sampling).tolist()]
@@ -96,11 +107,15 @@ class ModelRunner:
                                       batch.sampling)
         return emitted
 
-    def _propose(self, plan: StepPlan, batch: InputBatch, hidden: torch.Tensor,
-                 emitted: list[list[int]]) -> list[list[int]]:
-        if self.proposer is None or plan.num_spec_tokens == 0:
+    def _propose(self, plan: StepPlan, batch: InputBatch, hidden: torch.Tensor, emitted: list[list[int]],
+                 sharded: ShardedStep | None) -> list[list[int]]:
+        if isinstance(self.proposer, MTPProposer):
+            # MTP's step 0 runs on every step, sampling or not, so its own KV covers the whole context
+            drafts, probs = self.proposer.propose(plan, batch, hidden, emitted, plan.num_spec_tokens, sharded)
+        elif self.proposer is not None and plan.num_spec_tokens and emitted:
+            drafts, probs = self.proposer.propose(plan, batch, hidden, emitted, plan.num_spec_tokens)
+        else:
             return []
-        drafts, probs = self.proposer.propose(plan, batch, hidden, emitted, plan.num_spec_tokens)
         if self.draft_probs is not None and probs is not None:
             ids = [plan.rows[i].request_id for i in batch.sample_rows]
             self.draft_probs = dict(zip(ids, probs, strict=True))

@@ -1,0 +1,246 @@
+"""Prefill context parallelism speed: time-to-first-token of ONE long prompt at PCP = 1 and PCP = P with the
+same threads per rank; prints the speedup, the parallel efficiency and the bytes all-gathered per layer.
+
+    .venv/bin/python benchmarks/pcp_prefill.py --threads-per-rank 1 --max-num-batched-tokens 8192 2048
+
+Prefill time is the wall time of `generate(prompt, max_tokens=1)`: one long prompt, greedy, prefix caching off
+(each repeat re-prefills), after a warm-up on a short prompt; the best of `--repeats` is reported. At PCP = 1
+the engine runs in this process with `threads_per_rank` torch threads; at PCP = P it spawns P ranks, and the
+multi-rank executor gives each rank `torch.get_num_threads() // world` threads, so this process is set to
+`threads_per_rank * P` threads before the engine is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = REPO / ".cache" / "smollm2-135m-instruct"
+GATHER_FORMULA = (
+    "per step: K/V all-gather per layer = P * max_local_tokens * kv_bytes_per_token, where every rank pads its "
+    "local tokens to max_local_tokens = max over ranks of (its DualChunkSwap chunks of ceil(L / 2P) tokens) and "
+    "kv_bytes_per_token = 2 * num_kv_heads * head_dim * dtype_bytes (GQA: K and V concatenated) or "
+    "(kv_lora_rank + qk_rope_head_dim) * dtype_bytes (MLA latent); hidden-state restore all-gather = "
+    "P * max_local_tokens * hidden_size * dtype_bytes once per step (after the last layer). Each rank sends "
+    "1/P of the gathered tensor and receives (P - 1)/P of it. Summed over the prompt's prefill steps."
+)
+
+
+@dataclass(frozen=True)
+class GatherBytes:
+    chunk_lens: list[int]  # prompt tokens prefilled per step
+    max_local_tokens: list[int]  # per step, the padded rows each rank contributes to every all-gather
+    kv_bytes_per_token: int
+    hidden_bytes_per_token: int
+    kv_per_layer: int  # K/V all-gather bytes of one layer, summed over steps
+    restore_total: int  # hidden-state restore all-gather bytes, summed over steps (once per step, not per layer)
+    total: int  # kv_per_layer * num_layers + restore_total
+
+
+def dtype_bytes(dtype: str) -> int:
+    return torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+
+
+def gather_bytes(config: dict, prompt_len: int, batched_tokens: int, pcp_size: int, dtype: str) -> GatherBytes:
+    """Bytes all-gathered over the PCP group to prefill one prompt, from tandem's own partition math."""
+    from tandem.worker.pcp import partition
+
+    elem = dtype_bytes(dtype)
+    if "kv_lora_rank" in config:
+        kv_per_token = (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * elem
+    else:
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        num_kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+        kv_per_token = 2 * num_kv_heads * head_dim * elem
+    hidden_per_token = config["hidden_size"] * elem
+    # The scheduler prefills min(remaining, budget) tokens per step when this is the only request.
+    chunks = [min(batched_tokens, prompt_len - start) for start in range(0, prompt_len, batched_tokens)]
+    max_local = [partition(np.array([0, n]), np.array([True]), pcp_size).max_local_tokens for n in chunks]
+    kv_per_layer = sum(pcp_size * m * kv_per_token for m in max_local)
+    restore_total = sum(pcp_size * m * hidden_per_token for m in max_local)
+    return GatherBytes(chunk_lens=chunks, max_local_tokens=max_local, kv_bytes_per_token=kv_per_token,
+                       hidden_bytes_per_token=hidden_per_token, kv_per_layer=kv_per_layer,
+                       restore_total=restore_total,
+                       total=kv_per_layer * config["num_hidden_layers"] + restore_total)
+
+
+def prompt_token_ids(vocab_size: int, length: int, seed: int) -> list[int]:
+    # Random ids above the usual special-token range: content does not change the prefill's cost.
+    rng = np.random.default_rng(seed)
+    return rng.integers(min(100, vocab_size - 1), vocab_size, size=length).tolist()
+
+
+def child_cpu_seconds() -> dict[int, float]:
+    """User + system CPU seconds of each live child process of this one (the spawned ranks), from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    pids = set()
+    for children in Path(f"/proc/{os.getpid()}/task").glob("*/children"):
+        pids.update(int(pid) for pid in children.read_text().split())
+    cpu = {}
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        cpu[pid] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14, 15 of stat(5))
+    return cpu
+
+
+def rank_cpu_seconds(pcp_size: int, before: dict[int, float], before_self: float) -> list[float]:
+    """CPU seconds each rank spent since `before`: this process at PCP = 1, else each spawned rank."""
+    if pcp_size == 1:
+        return [time.process_time() - before_self]
+    after = child_cpu_seconds()
+    # The spawn resource tracker is a child too; it idles, so the busiest `pcp_size` children are the ranks.
+    return sorted((after[pid] - before.get(pid, 0.0) for pid in after), reverse=True)[:pcp_size]
+
+
+@dataclass(frozen=True)
+class Run:
+    pcp_size: int
+    max_num_batched_tokens: int
+    threads_per_rank: int
+    wall_s: float  # best of the repeats
+    all_wall_s: list[float]
+    rank_cpu_s: list[float]  # CPU seconds of each rank in the best repeat (contention-robust at 1 thread/rank)
+    first_token: int
+
+
+def time_prefill(model: Path, ids: list[int], pcp_size: int, batched_tokens: int, threads_per_rank: int,
+                 repeats: int, dtype: str) -> Run:
+    from tandem import LLM, SamplingParams
+
+    # Multi-rank: the executor hands each of the `world` ranks get_num_threads() // world threads.
+    # Single rank: the engine runs here, on exactly these threads.
+    torch.set_num_threads(threads_per_rank * pcp_size)
+    rank_threads = max(1, torch.get_num_threads() // pcp_size)  # what MultiprocExecutor hands each rank
+    llm = LLM(str(model), dtype=dtype, prefill_context_parallel_size=pcp_size,
+              max_num_batched_tokens=batched_tokens, max_model_len=max(8192, len(ids) + 1),
+              enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=1)
+    try:
+        llm.generate([{"prompt_token_ids": ids[:32]}], params, use_tqdm=False)  # warm-up: lazy init, allocator
+        walls, cpus, tokens = [], [], set()
+        for _ in range(repeats):
+            cpu_children, cpu_self = child_cpu_seconds(), time.process_time()
+            start = time.perf_counter()
+            out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+            walls.append(time.perf_counter() - start)
+            cpus.append(rank_cpu_seconds(pcp_size, cpu_children, cpu_self))
+            tokens.add(out[0].outputs[0].token_ids[0])
+    finally:
+        llm.shutdown()
+    if len(tokens) != 1:
+        raise SystemExit(f"PCP={pcp_size}: repeats disagree on the first token: {sorted(tokens)}")
+    best = walls.index(min(walls))
+    return Run(pcp_size, batched_tokens, rank_threads, walls[best], walls, cpus[best], tokens.pop())
+
+
+def machine_info() -> dict[str, object]:
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "num_cores": os.cpu_count(), "torch": torch.__version__,
+            "load_avg_1m_at_start": os.getloadavg()[0],
+            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def print_table(rows: list[dict[str, object]]) -> None:
+    print(f"\n{'budget':>7}{'P':>3}{'thr/rank':>9}{'wall s':>9}{'speedup':>9}{'effic.':>8}{'cpu s':>8}"
+          f"{'cpu spd':>8}{'K/V B/layer':>13}{'restore B':>11}{'load':>6}{'token':>7}")
+    for r in rows:
+        print(f"{r['max_num_batched_tokens']:>7}{r['pcp_size']:>3}{r['threads_per_rank']:>9}{r['wall_s']:>9.2f}"
+              f"{r['speedup']:>9.2f}{r['efficiency']:>8.2f}{max(r['rank_cpu_s']):>8.2f}{r['cpu_speedup']:>8.2f}"
+              f"{r['kv_gather_bytes_per_layer']:>13}{r['restore_gather_bytes']:>11}{r['load_avg_1m']:>6.2f}"
+              f"{r['first_token']:>7}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    p.add_argument("--prompt-len", type=int, default=8000, help="prompt tokens (default fits max_model_len 8192)")
+    p.add_argument("--pcp-size", type=int, default=2, help="the PCP size compared against PCP = 1")
+    p.add_argument("--threads-per-rank", type=int, default=1)
+    p.add_argument("--max-num-batched-tokens", type=int, nargs="+", default=[8192],
+                   help="one or more token budgets; 8192 prefills the prompt in one step, 2048 in chunks")
+    p.add_argument("--repeats", type=int, default=2, help="timed prefills per configuration; best is reported")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--seed", type=int, default=0, help="seeds the random prompt token ids")
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = p.parse_args()
+    for name in ("prompt_len", "threads_per_rank", "repeats"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.pcp_size < 2:
+        p.error(f"--pcp-size must be at least 2, got {args.pcp_size}")
+    if not (args.model / "config.json").is_file():
+        raise SystemExit(f"--model {args.model}: no config.json there (make setup converts SmolLM2)")
+
+    config = json.loads((args.model / "config.json").read_text())
+    ids = prompt_token_ids(config["vocab_size"], args.prompt_len, args.seed)
+    info = machine_info()
+    print(f"{info['cpu']}, {info['num_cores']} cores, torch {info['torch']}, load {info['load_avg_1m_at_start']:.2f}")
+    print(f"model {args.model.name}: {config['num_hidden_layers']} layers, hidden {config['hidden_size']}; "
+          f"one prompt of {args.prompt_len} tokens; {args.threads_per_rank} thread(s) per rank")
+    if info["num_cores"] is not None and args.threads_per_rank * args.pcp_size > info["num_cores"]:
+        print(f"warning: {args.pcp_size} ranks x {args.threads_per_rank} threads oversubscribe "
+              f"{info['num_cores']} cores")
+
+    rows: list[dict[str, object]] = []
+    for budget in args.max_num_batched_tokens:
+        runs, loads = {}, {}
+        for pcp in (1, args.pcp_size):
+            run = time_prefill(args.model, ids, pcp, budget, args.threads_per_rank, args.repeats, args.dtype)
+            # Load from other processes inflates wall time (P ranks share the cores with it); read it per run.
+            loads[pcp] = os.getloadavg()[0]
+            print(f"  budget {budget}, PCP={pcp}: wall " + ", ".join(f"{w:.2f}" for w in run.all_wall_s)
+                  + " s; rank CPU " + ", ".join(f"{c:.2f}" for c in run.rank_cpu_s)
+                  + f" s; load {loads[pcp]:.2f}; first token {run.first_token}")
+            runs[pcp] = run
+        if runs[1].first_token != runs[args.pcp_size].first_token:
+            raise SystemExit(f"budget {budget}: PCP=1 gives first token {runs[1].first_token}, PCP={args.pcp_size} "
+                             f"gives {runs[args.pcp_size].first_token}")
+        for pcp, run in runs.items():
+            speedup = runs[1].wall_s / run.wall_s
+            gathered = gather_bytes(config, args.prompt_len, budget, pcp, args.dtype) if pcp > 1 else None
+            rows.append({**asdict(run), "speedup": speedup, "efficiency": speedup / pcp,
+                         "cpu_speedup": max(runs[1].rank_cpu_s) / max(run.rank_cpu_s), "load_avg_1m": loads[pcp],
+                         "kv_gather_bytes_per_layer": gathered.kv_per_layer if gathered else 0,
+                         "restore_gather_bytes": gathered.restore_total if gathered else 0,
+                         "gather": asdict(gathered) if gathered else None})
+
+    print_table(rows)
+    print(f"\nfirst tokens agree across PCP sizes; speedup = T_pcp1 / T_pcp{args.pcp_size} (wall, best of "
+          f"{args.repeats}), efficiency = speedup / {args.pcp_size}; cpu s = CPU seconds of the busiest rank in that "
+          "run and cpu spd its ratio, which other processes' load barely moves at 1 thread per rank; load = 1-min "
+          "load average after the run")
+    print("bytes all-gathered, " + GATHER_FORMULA)
+    for r in rows:
+        if r["gather"] is not None:
+            g = r["gather"]
+            print(f"  budget {r['max_num_batched_tokens']}, P={r['pcp_size']}: steps {g['chunk_lens']}, "
+                  f"max_local_tokens {g['max_local_tokens']}, {g['kv_bytes_per_token']} B K/V and "
+                  f"{g['hidden_bytes_per_token']} B hidden per token -> {g['kv_per_layer']} B K/V per layer, "
+                  f"{g['restore_total']} B restore, {g['total'] / 2**20:.1f} MiB in all")
+    if args.json is not None:
+        cfg = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "json"}
+        args.json.write_text(json.dumps({"machine": info, "config": cfg, "gather_formula": GATHER_FORMULA,
+                                         "runs": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

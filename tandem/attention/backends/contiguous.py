@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.attention.backend import AttentionBackend, register_backend
-from tandem.attention.backends.prefix import write_kv
+from tandem.attention.backends.prefix import gather_rows, write_kv
 from tandem.attention.metadata import AttentionMetadata
 
 
@@ -30,8 +30,10 @@ def cached_prefix_plus_new_attention(q: torch.Tensor, k_new: torch.Tensor, v_new
         q_off = torch.arange(g.token_idx.shape[1], device=q.device)
         causal_new = (q_off[None, :, None] >= q_off[None, None, :]) & g.token_valid[:, None, :]  # [G, Q, Q]
         mask = torch.cat((in_context[:, None, :].expand(-1, q_off.shape[0], -1), causal_new), dim=-1)
-        keys = torch.cat((k_flat[g.kv_slots].to(q.dtype), k_new[g.token_idx]), dim=1).transpose(1, 2)
-        values = torch.cat((v_flat[g.kv_slots].to(q.dtype), v_new[g.token_idx]), dim=1).transpose(1, 2)
+        keys = torch.cat((gather_rows(k_flat, g.kv_slots).to(q.dtype), gather_rows(k_new, g.token_idx)),
+                         dim=1).transpose(1, 2)
+        values = torch.cat((gather_rows(v_flat, g.kv_slots).to(q.dtype), gather_rows(v_new, g.token_idx)),
+                           dim=1).transpose(1, 2)
         og = F.scaled_dot_product_attention(q[g.token_idx].transpose(1, 2), keys, values,
                                             attn_mask=mask.unsqueeze(1), scale=scale, enable_gqa=gqa)
         out[g.token_idx[g.token_valid]] = og.transpose(1, 2)[g.token_valid]

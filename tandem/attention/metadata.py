@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 PAD_SLOT_ID = -1  # slot_mapping value meaning "write nothing"
+SHORT_ROW_TOKENS = 16  # rows up to this many query tokens share one padded attention call
 
 
 @dataclass
@@ -52,12 +53,13 @@ def build_attention_metadata(positions: torch.Tensor, query_start_loc_cpu: torch
 
 def _plan_groups(positions: torch.Tensor, qsl: torch.Tensor, seq_lens: torch.Tensor,
                  block_table: torch.Tensor, block_size: int) -> list[PrefixGroup]:
-    # One-token rows (decodes) are batched together; each longer row is its own group, so a
-    # decode never pads up to a prefill chunk's length.
+    # Short rows (decodes, and verification rows of K + 1 tokens) are batched together, padded to the
+    # longest of them; each longer row (a prompt chunk) is its own group, so a decode never pads up to
+    # a chunk's length and a batch of verifications costs one SDPA call per layer, not one per row.
     q_lens = (qsl[1:] - qsl[:-1]).tolist()
-    singles = [i for i, n in enumerate(q_lens) if n == 1]
-    groups = [singles] if singles else []
-    groups += [[i] for i, n in enumerate(q_lens) if n > 1]
+    short = [i for i, n in enumerate(q_lens) if n <= SHORT_ROW_TOKENS]
+    groups = [short] if short else []
+    groups += [[i] for i, n in enumerate(q_lens) if n > SHORT_ROW_TOKENS]
     return [_group(rows, positions, qsl, seq_lens, block_table, block_size) for rows in groups]
 
 

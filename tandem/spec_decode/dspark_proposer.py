@@ -20,9 +20,8 @@ import torch
 from torch import nn
 
 from tandem.engine.step_plan import StepPlan
-from tandem.layers.sampler import SamplingMetadata, keyed_uniform, processed_probs
 from tandem.models.dspark import ContextPrefix, DSparkDrafter
-from tandem.spec_decode.rejection_sampler import DRAFT_STREAM
+from tandem.spec_decode.draft_sampling import sample_draft
 from tandem.worker.input_batch import InputBatch
 
 
@@ -109,19 +108,3 @@ def last_valid_indices(batch: InputBatch, emitted: list[list[int]]) -> list[int]
     qsl = batch.query_start_loc_cpu.tolist()
     return [qsl[i + 1] - 1 - k + len(e) - 1
             for i, k, e in zip(batch.sample_rows, batch.num_draft_tokens, emitted, strict=True)]
-
-
-def sample_draft(logits: torch.Tensor, meta: SamplingMetadata | None, positions: torch.Tensor,
-                 probabilistic: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logits: [S, V]; positions: [S] of the drafts -> (drafts [S], the distribution q [S, V] they were drawn from).
-
-    Greedy drafts take the argmax; probabilistic ones sample the request's processed distribution with keyed
-    noise of their own stream (DRAFT_STREAM) and keep it as q for verification (same rule as MTPProposer)."""
-    if not probabilistic or meta is None:
-        return logits.argmax(dim=-1), None
-    probs = processed_probs(logits, meta)  # [S, V]
-    greedy = meta.temperature == 0
-    probs = torch.where(greedy[:, None], torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float(),
-                        probs)
-    noise = -torch.log(keyed_uniform(meta.seeds, positions, logits.shape[-1], stream=DRAFT_STREAM))
-    return (probs.double() / noise).argmax(dim=-1), probs

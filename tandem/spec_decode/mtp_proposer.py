@@ -24,9 +24,8 @@ from tandem.attention.backend import AttentionBackend
 from tandem.attention.forward_context import forward_context
 from tandem.attention.metadata import PAD_SLOT_ID, AttentionMetadata, build_attention_metadata
 from tandem.engine.step_plan import StepPlan
-from tandem.layers.sampler import SamplingMetadata, keyed_uniform, processed_probs
 from tandem.models.mtp import DeepSeekMTP
-from tandem.spec_decode.rejection_sampler import DRAFT_STREAM
+from tandem.spec_decode.draft_sampling import sample_draft
 from tandem.worker.input_batch import InputBatch, global_attention_metadata
 from tandem.worker.pcp_hooks import LocalBatch, PCPHooks
 
@@ -62,14 +61,16 @@ class MTPProposer:
         if k == 0 or not last_idx:
             return [[] for _ in last_idx], None  # step 0 only kept the MTP layer's KV up to date
         positions = batch.positions[last_idx]  # [S] position of each row's last valid token
-        tokens, probs = self._sample(self.mtp.compute_logits(h_logits[last_idx], 0), batch.sampling, positions + 2)
+        tokens, probs = sample_draft(self.mtp.compute_logits(h_logits[last_idx], 0), batch.sampling, positions + 2,
+                                     self.probabilistic)
         drafts, draft_probs, feedback = [tokens], [probs], h_feedback[last_idx]
         for step in range(1, k):
             step_pos = positions + step
             meta = self._decode_metadata(plan, batch, step_pos)
             with forward_context(meta, self.backends):
                 h_logits, feedback = self.mtp(drafts[-1], step_pos.clamp(max=self.max_model_len - 1), feedback, step)
-            tokens, probs = self._sample(self.mtp.compute_logits(h_logits, step), batch.sampling, step_pos + 2)
+            tokens, probs = sample_draft(self.mtp.compute_logits(h_logits, step), batch.sampling, step_pos + 2,
+                                         self.probabilistic)
             drafts.append(tokens)
             draft_probs.append(probs)
         per_row = torch.stack(drafts, dim=1).tolist()  # [S, K]
@@ -115,17 +116,3 @@ class MTPProposer:
             positions.clamp(max=self.max_model_len - 1), torch.arange(n + 1, dtype=torch.int32),
             (torch.minimum(positions, torch.tensor(self.max_model_len - 1)) + 1).to(torch.int32).cpu(), table,
             self.block_size, writes.nonzero().squeeze(1), slots[writes])
-
-    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata | None,
-                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Greedy drafts take the argmax; probabilistic ones sample the request's processed distribution
-        with keyed noise of their own stream and keep it as q for verification."""
-        if not self.probabilistic or meta is None:
-            return logits.argmax(dim=-1), None
-        probs = processed_probs(logits, meta)  # [S, V]
-        greedy = meta.temperature == 0
-        probs = torch.where(greedy[:, None], torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float(),
-                            probs)
-        noise = -torch.log(keyed_uniform(meta.seeds, positions, logits.shape[-1], stream=DRAFT_STREAM))
-        return (probs.double() / noise).argmax(dim=-1), probs
-

@@ -46,15 +46,12 @@ class GatherBytes:
     total: int  # kv_per_layer * num_layers + restore_total
 
 
-def dtype_bytes(dtype: str) -> int:
-    return torch.empty(0, dtype=getattr(torch, dtype)).element_size()
-
-
 def gather_bytes(config: dict, prompt_len: int, batched_tokens: int, pcp_size: int, dtype: str) -> GatherBytes:
     """Bytes all-gathered over the PCP group to prefill one prompt, from tandem's own partition math."""
+    from tandem.config import resolve_dtype
     from tandem.worker.pcp import partition
 
-    elem = dtype_bytes(dtype)
+    elem = resolve_dtype(dtype, config.get("torch_dtype") or config.get("dtype")).itemsize  # the compute dtype
     if "kv_lora_rank" in config:
         kv_per_token = (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * elem
     else:

@@ -8,7 +8,7 @@ earlier token.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -29,6 +29,14 @@ class AttentionBackend:
     @staticmethod
     def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """full_attention backends: q [T, Hq, D], k/v [T, Hkv, D] this step's K/V -> [T, Hq, D]."""
+        raise NotImplementedError
+
+    @staticmethod
+    def forward_mla(q_nope: torch.Tensor, q_pe: torch.Tensor, entries: torch.Tensor, kv_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float, up: Any) -> torch.Tensor:
+        """mla_attention backends: q_nope [T, H, nope], q_pe [T, H, rope], entries [T, L + rope] this step's
+        latents, `up` the MLAUpProjection (W_UK, W_UV) -> [T, H, v]."""
         raise NotImplementedError
 
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from tandem.attention.forward_context import get_forward_context
+from tandem.attention.mla import MLAUpProjection
 
 
 class Attention(nn.Module):
@@ -36,10 +37,13 @@ class Attention(nn.Module):
 
 
 class MLAAttention(nn.Module):
-    """Multi-head latent attention in absorbed form.
+    """Multi-head latent attention over a latent cache.
 
-    Scores q_nope.(W_UK kv_c) + q_pe.k_pe are computed as (q_nope W_UK).kv_c + q_pe.k_pe, so the cache
-    holds only the latent kv_c and the rotated k_pe; the output o_latent is up-projected by W_UV.
+    The cache holds only the normed latent kv_c and the rotated k_pe. Decodes run absorbed: scores
+    q_nope.(W_UK kv_c) + q_pe.k_pe are computed as (q_nope W_UK).kv_c + q_pe.k_pe (MQA over 576-wide keys),
+    the latent output is up-projected by W_UV. Prompt chunks run expanded (MHA over nope + rope wide heads)
+    when the backend supports it, as vLLM's MLA prefill does: for Q queries over S keys that is
+    (nope + rope + v) instead of (2 L + rope) multiply-adds per score, about 6x less at L = 512.
     `kv_b_weight` is kv_b_proj's weight [H * (nope + v), L] (this rank's heads).
     """
 
@@ -60,11 +64,8 @@ class MLAAttention(nn.Module):
         # q_nope: [T, H, nope]; q_pe: [T, H, rope]; kv_c: [T, L] (normed); k_pe: [T, rope] (rotated)
         ctx = get_forward_context()
         w = kv_b_weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
-        w_uk, w_uv = w[:, : self.nope_dim], w[:, self.nope_dim:]  # [H, nope, L], [H, v, L]
-        q_latent = torch.einsum("thd,hdl->thl", q_nope, w_uk)  # [T, H, L]
-        q = torch.cat((q_latent, q_pe), dim=-1)  # [T, H, L + rope]
+        up = MLAUpProjection(w_uk=w[:, : self.nope_dim], w_uv=w[:, self.nope_dim:])  # [H, nope, L], [H, v, L]
         entries = ctx.gather_kv(torch.cat((kv_c, k_pe), dim=-1))  # [T (or P * max_local under PCP), L + rope]
-        o_latent = ctx.backends[self.kind].forward(q, entries, entries[:, : self.kv_lora_rank], self.kv_cache,
-                                                   ctx.attn_metadata, self.scale)  # [T, H, L]
-        out = torch.einsum("thl,hvl->thv", o_latent, w_uv)  # [T, H, v]
-        return out.reshape(q.shape[0], self.num_heads * self.v_dim)
+        out = ctx.backends[self.kind].forward_mla(q_nope, q_pe, entries, self.kv_cache, ctx.attn_metadata,
+                                                  self.scale, up)  # [T, H, v]
+        return out.reshape(q_nope.shape[0], self.num_heads * self.v_dim)

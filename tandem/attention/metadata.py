@@ -15,6 +15,10 @@ import torch
 
 PAD_SLOT_ID = -1  # slot_mapping value meaning "write nothing"
 SHORT_ROW_TOKENS = 16  # rows up to this many query tokens share one padded attention call
+# A long row (a prompt chunk) is attended in blocks of this many queries, each against the keys up to its own
+# last position only: one SDPA over the whole row would compute the masked upper triangle too (about twice the
+# work of causal attention on CPU, where SDPA does not skip masked tiles).
+QUERY_BLOCK = 256
 
 
 @dataclass
@@ -34,7 +38,7 @@ class AttentionMetadata:
     seq_lens_cpu: torch.Tensor  # [num_rows] int32, keys visible to each row after this step's write
     block_table: torch.Tensor  # [num_rows, max_num_blocks] int32
     block_size: int
-    groups: list[PrefixGroup]
+    groups: list[PrefixGroup]  # short rows together; long rows split into query blocks (QUERY_BLOCK)
     write_rows: torch.Tensor  # [num_writes] int64 rows of the (gathered) new K/V that are written
     write_slots: torch.Tensor  # [num_writes] int64 their cache slots (PAD_SLOT_ID rows are left out)
 
@@ -47,34 +51,49 @@ def build_attention_metadata(positions: torch.Tensor, query_start_loc_cpu: torch
     return AttentionMetadata(
         positions=positions, query_start_loc_cpu=query_start_loc_cpu, seq_lens_cpu=seq_lens_cpu,
         block_table=block_table, block_size=block_size,
-        groups=_plan_groups(positions, query_start_loc_cpu, seq_lens_cpu, block_table, block_size),
+        groups=_plan_groups(positions, query_start_loc_cpu, seq_lens_cpu, block_table, block_size, QUERY_BLOCK),
         write_rows=write_rows, write_slots=write_slots)
 
 
+def row_groups(meta: AttentionMetadata) -> list[PrefixGroup]:
+    """Groups whose long rows are whole (not query-blocked), for backends that take a row's new keys from the
+    row itself and so need all of its new tokens in one call."""
+    return _plan_groups(meta.positions, meta.query_start_loc_cpu, meta.seq_lens_cpu, meta.block_table,
+                        meta.block_size, None)
+
+
 def _plan_groups(positions: torch.Tensor, qsl: torch.Tensor, seq_lens: torch.Tensor,
-                 block_table: torch.Tensor, block_size: int) -> list[PrefixGroup]:
+                 block_table: torch.Tensor, block_size: int, query_block: int | None) -> list[PrefixGroup]:
     # Short rows (decodes, and verification rows of K + 1 tokens) are batched together, padded to the
-    # longest of them; each longer row (a prompt chunk) is its own group, so a decode never pads up to
+    # longest of them; each longer row (a prompt chunk) gets its own groups, so a decode never pads up to
     # a chunk's length and a batch of verifications costs one SDPA call per layer, not one per row.
+    # A piece is (row, first query offset in the row, number of queries).
     q_lens = (qsl[1:] - qsl[:-1]).tolist()
-    short = [i for i, n in enumerate(q_lens) if n <= SHORT_ROW_TOKENS]
+    short = [(i, 0, n) for i, n in enumerate(q_lens) if n <= SHORT_ROW_TOKENS]
     groups = [short] if short else []
-    groups += [[i] for i, n in enumerate(q_lens) if n > SHORT_ROW_TOKENS]
-    return [_group(rows, positions, qsl, seq_lens, block_table, block_size) for rows in groups]
+    for i, n in enumerate(q_lens):
+        if n > SHORT_ROW_TOKENS:
+            step = query_block or n
+            groups += [[(i, j, min(step, n - j))] for j in range(0, n, step)]
+    return [_group(pieces, positions, qsl, seq_lens, block_table, block_size) for pieces in groups]
 
 
-def _group(rows: list[int], positions: torch.Tensor, qsl: torch.Tensor, seq_lens: torch.Tensor,
+def _group(pieces: list[tuple[int, int, int]], positions: torch.Tensor, qsl: torch.Tensor, seq_lens: torch.Tensor,
            block_table: torch.Tensor, block_size: int) -> PrefixGroup:
     device = positions.device
-    idx = torch.tensor(rows, dtype=torch.int64)
-    starts, lens = qsl[idx].long(), (qsl[idx + 1] - qsl[idx]).long()
-    q_max, s_max = int(lens.max()), int(seq_lens[idx].max())
+    idx = torch.tensor([row for row, _, _ in pieces], dtype=torch.int64)
+    starts = qsl[idx].long() + torch.tensor([off for _, off, _ in pieces], dtype=torch.int64)
+    lens = torch.tensor([n for _, _, n in pieces], dtype=torch.int64)
+    # Keys past a piece's last query position are never visible (causal), so they are not gathered.
+    last_pos = positions[(starts + lens - 1).to(positions.device)].cpu()  # [G]
+    visible = torch.minimum(seq_lens[idx].long(), last_pos.long() + 1)  # [G]
+    q_max, s_max = int(lens.max()), int(visible.max())
     q_off = torch.arange(q_max)
     token_valid = q_off[None, :] < lens[:, None]  # [G, Q]
     token_idx = (starts[:, None] + torch.minimum(q_off[None, :], lens[:, None] - 1)).to(device)
     k_pos = torch.arange(s_max, device=device)  # [S]
     blocks = block_table[idx.to(device)][:, k_pos // block_size].long()  # [G, S]
-    k_valid = k_pos[None, :] < seq_lens[idx].to(device)[:, None]
+    k_valid = k_pos[None, :] < visible.to(device)[:, None]
     kv_slots = torch.where(k_valid, blocks * block_size + k_pos % block_size, 0)
     q_pos = positions[token_idx]  # [G, Q]
     mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & k_valid[:, None, :]

@@ -1,4 +1,4 @@
-"""`tandem` command line: generate (and convert-gguf); serve, eval and bench arrive with their issues."""
+"""`tandem` command line: generate, eval gsm8k, convert-gguf; serve and bench arrive with their issue."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 import time
+from pathlib import Path
 
 from tandem.config import ConfigError
 from tandem.entrypoints.engine_args import EngineArgs
@@ -29,6 +30,50 @@ def _convert_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("convert-gguf", help="convert a GGUF file into a Hugging Face folder tandem can load")
     p.add_argument("gguf", help="path of the .gguf file")
     p.add_argument("output", help="folder to write (config.json, model.safetensors, tokenizer.json)")
+
+
+def _eval_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="evaluate a model on a benchmark")
+    bench = p.add_subparsers(dest="benchmark", required=True)
+    g = bench.add_parser("gsm8k", help="few-shot GSM8K accuracy and speculative acceptance")
+    g.add_argument("model", nargs="?", default=None, help="local model folder (default: the bundled model)")
+    g.add_argument("--data", default="synthetic",
+                   help="GSM8K-layout .jsonl file, or 'synthetic' (the project's own split; the default)")
+    g.add_argument("--shots-data", default=None, help="few-shot pool .jsonl (default: ../shared GSM8K train)")
+    g.add_argument("--num-questions", type=int, default=None, help="evaluate the first N questions")
+    g.add_argument("--num-shots", type=int, default=5)
+    g.add_argument("--concurrency", type=int, default=32, help="requests in flight (max_num_seqs in-process)")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--url", default=None, help="evaluate an OpenAI-compatible server at this base URL instead")
+    g.add_argument("--matrix", action="store_true", help="run the seed's configuration table on the model")
+    g.add_argument("--num-speculative-tokens", type=int, default=3, help="K of the --matrix rows")
+    g.add_argument("--output-json", default=None, help="also write the results as JSON to this file")
+    EngineArgs.add_cli_args(g)
+    g.set_defaults(seed=42)
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from tandem.eval import gsm8k as ev
+
+    questions, shots = ev.load_eval_data(args.data, args.shots_data, args.num_questions, args.num_shots, args.seed)
+    engine = vars(EngineArgs.from_cli_args(args))
+    engine["max_num_seqs"] = args.concurrency
+    print(f"GSM8K: {len(questions)} questions from {args.data}, {args.num_shots}-shot, temperature "
+          f"{args.temperature}, seed {args.seed}", file=sys.stderr)
+    if args.matrix:
+        results = ev.run_matrix(engine, questions, shots, args.max_tokens, args.temperature, args.seed,
+                                args.num_speculative_tokens)
+    elif args.url:
+        results = [ev.run_against_url(args.url, args.url, args.model, questions, shots, args.max_tokens,
+                                      args.temperature, args.seed, args.concurrency)]
+    else:
+        name = "speculative" if args.speculative_config else "no speculation"
+        results = [ev.run_in_process(name, engine, questions, shots, args.max_tokens, args.temperature, args.seed)]
+    print(ev.format_table(results))
+    if args.output_json:
+        Path(args.output_json).write_text(ev.results_json(results) + "\n")
+    return 0
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -76,9 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _convert_parser(sub)
+    _eval_parser(sub)
     args = parser.parse_args(argv)
     try:
-        return {"generate": run_generate, "convert-gguf": run_convert}[args.command](args)
+        return {"generate": run_generate, "convert-gguf": run_convert, "eval": run_eval}[args.command](args)
     except (ConfigError, ValueError) as e:
         print(f"tandem {args.command}: error: {e}", file=sys.stderr)
         return 2

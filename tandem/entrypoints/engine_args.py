@@ -43,10 +43,17 @@ class EngineArgs:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def create_engine_config(self) -> EngineConfig:
-        if self.model is None:
-            raise ConfigError("model=None is not allowed: no bundled default model ships yet; pass MODEL, "
+        from tandem.assets import DEFAULT_DSPARK, DEFAULT_MODEL, default_model
+
+        model = self.model if self.model is not None else default_model()
+        if model is None:
+            raise ConfigError(f"model=None: the bundled default model is missing from {DEFAULT_MODEL}; pass MODEL, "
                               "a local Hugging Face folder (config.json, *.safetensors, tokenizer.json)")
-        mc = ModelConfig.from_path(self.model, self.dtype, self.max_model_len, self.seed)
+        speculative = self.speculative_config
+        if (speculative is not None and speculative.get("method") == "dspark" and speculative.get("model") is None
+                and model == str(DEFAULT_MODEL)):
+            speculative = {**speculative, "model": str(DEFAULT_DSPARK)}  # the bundled target's own drafter
+        mc = ModelConfig.from_path(model, self.dtype, self.max_model_len, self.seed)
         return EngineConfig(
             model_config=mc,
             cache_config=CacheConfig(self.block_size, self.num_gpu_blocks_override, self.kv_cache_memory_bytes,
@@ -56,7 +63,7 @@ class EngineArgs:
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                                            prefill_context_parallel_size=self.prefill_context_parallel_size,
                                            enable_expert_parallel=self.enable_expert_parallel),
-            speculative_config=_sub(SpeculativeConfig, "speculative_config", self.speculative_config),
+            speculative_config=_sub(SpeculativeConfig, "speculative_config", speculative),
             attention_config=_sub(AttentionConfig, "attention_config", self.attention_config),
             compilation_config=_sub(CompilationConfig, "compilation_config", self.compilation_config),
             device=self.device,

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from tandem.attention.backend import AttentionBackend, register_backend
 from tandem.attention.backends.prefix import gather_rows, write_kv
-from tandem.attention.metadata import AttentionMetadata
+from tandem.attention.metadata import AttentionMetadata, row_groups
+from tandem.attention.mla import MLAUpProjection, absorb, up_project
 
 
 def cached_prefix_plus_new_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
@@ -23,7 +24,7 @@ def cached_prefix_plus_new_attention(q: torch.Tensor, k_new: torch.Tensor, v_new
     """q: [T, Hq, Dk]; k_new/v_new: [T, Hkv, D*] aligned with q; k_flat/v_flat: [num_slots, Hkv, D*] cache."""
     out = q.new_zeros(q.shape[0], q.shape[1], v_flat.shape[-1])
     gqa = q.shape[1] != k_flat.shape[1]
-    for g in meta.groups:
+    for g in row_groups(meta):  # whole rows: a row's new keys come from its own new tokens
         context_len = meta.positions[g.token_idx[:, 0]]  # [G] first new position = tokens cached before
         s = g.kv_slots.shape[1]
         in_context = torch.arange(s, device=q.device)[None, :] < context_len[:, None]  # [G, S]
@@ -78,13 +79,14 @@ class ContiguousMLABackend(AttentionBackend):
         return (num_blocks, block_size, kv_lora_rank + rope_dim)
 
     @staticmethod
-    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        # q: [T, H, L + R]; k: [T, L + R] new latent entries; v: [T, L] = kv_c
-        assert v is not None
+    def forward_mla(q_nope: torch.Tensor, q_pe: torch.Tensor, entries: torch.Tensor, kv_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float, up: MLAUpProjection) -> torch.Tensor:
+        # absorbed everywhere: q [T, H, L + R]; entries: [T, L + R] new latents whose first L are kv_c -> [T, H, v]
+        lora = up.w_uk.shape[-1]
         cache_flat = kv_cache.flatten(0, 1)  # [num_slots, L + R]
-        entries = cache_flat.unsqueeze(1)
-        out = cached_prefix_plus_new_attention(q, k.unsqueeze(1), v.unsqueeze(1), entries,
-                                               entries[..., : v.shape[-1]], meta, scale)
-        write_kv(cache_flat, k, meta)
-        return out
+        lat = cache_flat.unsqueeze(1)
+        new = entries.unsqueeze(1)
+        o_latent = cached_prefix_plus_new_attention(absorb(q_nope, q_pe, up), new, new[..., :lora], lat,
+                                                    lat[..., :lora], meta, scale)
+        write_kv(cache_flat, entries, meta)
+        return up_project(o_latent, up)

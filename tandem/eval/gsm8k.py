@@ -1,0 +1,244 @@
+"""`tandem eval gsm8k`: few-shot GSM8K accuracy plus speculative-decoding acceptance, in-process or against an
+OpenAI-compatible server, and the seed's configuration matrix (`--matrix`).
+Scope: prompts, running, scoring and the results table; prompt layout and answer extraction live in
+tandem/data/gsm8k.py.
+
+Every question gets the same `num_shots` examples (drawn once with `seed`), so their shared prefix is served
+from the prefix cache after the first request.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tandem.data.gsm8k import (
+    SHARED_GSM8K,
+    STOP_STRINGS,
+    Problem,
+    extract_answer,
+    few_shot_prompt,
+    load_jsonl,
+    normalize_number,
+    synthetic_split,
+)
+
+SYNTHETIC = "synthetic"
+
+
+@dataclass
+class EvalResult:
+    name: str
+    correct: int = 0
+    total: int = 0
+    invalid: int = 0
+    acceptance_rate: float | None = None
+    acceptance_length: float | None = None
+    elapsed_s: float = 0.0
+    output_tokens: int = 0
+    note: str = ""  # why a configuration did not run
+    answers: list[str | None] = field(default_factory=list, repr=False)
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.total if self.total else 0.0
+
+
+def load_eval_data(data: str, shots_data: str | None, num_questions: int | None, num_shots: int, seed: int
+                   ) -> tuple[list[Problem], list[Problem]]:
+    """(questions, few-shot examples). `data` is a GSM8K-layout .jsonl file or "synthetic" (the project's own
+    split, so the command runs without ../shared)."""
+    if data == SYNTHETIC:
+        questions = synthetic_split("test", num_questions or 200)
+        pool = synthetic_split("shots", 64)
+    else:
+        questions = load_jsonl(data)
+        default_pool = SHARED_GSM8K / "train.jsonl"
+        pool = load_jsonl(shots_data) if shots_data else (load_jsonl(default_pool) if default_pool.is_file()
+                                                           else synthetic_split("shots", 64))
+    if num_questions is not None:
+        questions = questions[:num_questions]
+    if num_shots > len(pool):
+        raise ValueError(f"--num-shots={num_shots}: the few-shot pool has only {len(pool)} examples")
+    shots = random.Random(seed).sample(pool, num_shots)
+    return questions, shots
+
+
+def build_prompts(questions: list[Problem], shots: list[Problem], bos: str = "") -> list[str]:
+    return [bos + few_shot_prompt(shots, q.question) for q in questions]
+
+
+def score(result: EvalResult, questions: list[Problem], completions: list[str]) -> EvalResult:
+    result.total = len(questions)
+    for q, text in zip(questions, completions, strict=True):
+        got = extract_answer(text)
+        result.answers.append(got)
+        if got is None:
+            result.invalid += 1
+        elif got == normalize_number(q.target):
+            result.correct += 1
+    return result
+
+
+def _bos_text(model: str) -> str:
+    """The model's BOS token text when its tokenizer does not add one itself (tandem's tokenizers never do)."""
+    config = Path(model) / "tokenizer_config.json"
+    if not config.is_file():
+        return ""
+    raw = json.loads(config.read_text())
+    bos = raw.get("bos_token")
+    bos = bos.get("content") if isinstance(bos, dict) else bos
+    return bos if isinstance(bos, str) and not raw.get("add_bos_token", False) else ""
+
+
+def run_in_process(name: str, engine_kwargs: dict[str, Any], questions: list[Problem], shots: list[Problem],
+                   max_tokens: int, temperature: float, seed: int) -> EvalResult:
+    from tandem import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs)
+    try:
+        prompts = build_prompts(questions, shots, _bos_text(llm.engine.config.model_config.model))
+        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, stop=STOP_STRINGS, seed=seed)
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=True)
+        result = EvalResult(name, elapsed_s=time.perf_counter() - start)
+        errors = [o.error for o in outs if o.error is not None]
+        if errors:
+            raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0]}")
+        result.output_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        metrics = {m.name: m.value for m in llm.get_metrics()}
+        if metrics.get("tandem:spec_decode_num_drafts"):
+            result.acceptance_rate = float(metrics["tandem:spec_decode_acceptance_rate"])  # type: ignore[arg-type]
+            result.acceptance_length = float(metrics["tandem:spec_decode_mean_acceptance_length"])  # type: ignore[arg-type]
+        return score(result, questions, [o.outputs[0].text for o in outs])
+    finally:
+        llm.shutdown()
+
+
+def _scrape_spec_counters(url: str) -> dict[str, float]:
+    """The spec-decode counters of a tandem or vLLM server's Prometheus /metrics ({} when it has none)."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return {}
+    counters: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or "spec_decode_num_" not in line or "_per_pos" in line:
+            continue
+        key, _, value = line.rpartition(" ")
+        short = key.split("{")[0].split(":")[-1].removesuffix("_total")
+        counters[short] = counters.get(short, 0.0) + float(value)
+    return counters
+
+
+def run_against_url(name: str, url: str, model: str | None, questions: list[Problem], shots: list[Problem],
+                    max_tokens: int, temperature: float, seed: int, concurrency: int) -> EvalResult:
+    from tqdm import tqdm
+
+    prompts = build_prompts(questions, shots)
+    before = _scrape_spec_counters(url)
+
+    def complete(prompt: str) -> str:
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "stop": STOP_STRINGS,
+                "seed": seed}
+        if model:
+            body["model"] = model
+        req = urllib.request.Request(url.rstrip("/") + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as resp:
+            return json.loads(resp.read())["choices"][0]["text"]
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        completions = list(tqdm(pool.map(complete, prompts), total=len(prompts), desc="GSM8K"))
+    result = EvalResult(name, elapsed_s=time.perf_counter() - start)
+    after = _scrape_spec_counters(url)
+    drafts = after.get("spec_decode_num_drafts", 0.0) - before.get("spec_decode_num_drafts", 0.0)
+    if drafts > 0:
+        accepted = after["spec_decode_num_accepted_tokens"] - before.get("spec_decode_num_accepted_tokens", 0.0)
+        proposed = after["spec_decode_num_draft_tokens"] - before.get("spec_decode_num_draft_tokens", 0.0)
+        result.acceptance_rate = accepted / proposed
+        result.acceptance_length = 1 + accepted / drafts
+    return score(result, questions, completions)
+
+
+# ------------------------------------------------------------------------------------------------------
+# The seed's table: one row per configuration, acceptance deltas against the TP row.
+# ------------------------------------------------------------------------------------------------------
+
+DYNAMIC_K = [[8, 3], [16, 2], [32, 1]]  # K=3 for 1-8 running requests, 2 for 9-16, 1 for 17-32
+
+
+def matrix_configs(k: int) -> list[tuple[str, dict[str, Any]]]:
+    """(row name, engine kwargs on top of the base ones) in the seed's order, then the draft-mode rows."""
+    mtp = {"method": "mtp", "num_speculative_tokens": k}
+    return [
+        ("TP2 + greedy fixed K", {"tensor_parallel_size": 2, "speculative_config": mtp}),
+        ("PCP2 + greedy fixed K", {"prefill_context_parallel_size": 2, "speculative_config": mtp}),
+        ("PCP2 + greedy fixed K + PIECEWISE", {
+            "prefill_context_parallel_size": 2, "speculative_config": mtp,
+            "compilation_config": {"cudagraph_mode": "PIECEWISE", "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]}}),
+        ("PCP2 + probabilistic fixed K", {
+            "prefill_context_parallel_size": 2, "speculative_config": {**mtp, "draft_sample_method": "probabilistic"}}),
+        ("PCP2 + probabilistic dynamic K", {
+            "prefill_context_parallel_size": 2,
+            "speculative_config": {**mtp, "draft_sample_method": "probabilistic",
+                                   "num_speculative_tokens_per_batch_size": DYNAMIC_K}}),
+        ("PCP2 + greedy fixed K, replicated draft", {
+            "prefill_context_parallel_size": 2, "speculative_config": {**mtp, "attention_backend": "CONTIGUOUS_MLA"}}),
+        ("PCP2 + DSpark greedy fixed K", {
+            "prefill_context_parallel_size": 2,
+            "speculative_config": {"method": "dspark", "num_speculative_tokens": k}}),
+    ]
+
+
+def format_table(results: list[EvalResult]) -> str:
+    reference = next((r for r in results if r.name.startswith("TP") and r.acceptance_rate is not None), None)
+    lines = ["| Configuration | Correct | Accuracy | Invalid | Acceptance rate | Acceptance length | "
+             "Δ rate vs TP | Δ length vs TP |", "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if r.note:
+            lines.append(f"| {r.name} | {r.note} | | | | | | |")
+            continue
+        rate = f"{r.acceptance_rate:.6f}" if r.acceptance_rate is not None else "n/a"
+        length = f"{r.acceptance_length:.6f}" if r.acceptance_length is not None else "n/a"
+        d_rate = d_len = "—"
+        if reference is not None and r is not reference and r.acceptance_rate is not None:
+            d_rate = f"{abs(r.acceptance_rate - reference.acceptance_rate):.6f}"  # type: ignore[operator]
+            d_len = f"{abs(r.acceptance_length - reference.acceptance_length):.6f}"  # type: ignore[operator]
+        lines.append(f"| {r.name} | {r.correct}/{r.total} | {100 * r.accuracy:.4f}% | {r.invalid} | {rate} | "
+                     f"{length} | {d_rate} | {d_len} |")
+    return "\n".join(lines)
+
+
+def run_matrix(base: dict[str, Any], questions: list[Problem], shots: list[Problem], max_tokens: int,
+               temperature: float, seed: int, k: int) -> list[EvalResult]:
+    from tandem.config import ConfigError
+
+    results = []
+    for name, extra in matrix_configs(k):
+        print(f"=== {name}", file=sys.stderr, flush=True)
+        try:
+            results.append(run_in_process(name, {**base, **extra}, questions, shots, max_tokens, temperature, seed))
+        except (ConfigError, ValueError, NotImplementedError) as e:
+            # a configuration whose pieces have not landed says so in its row instead of ending the run
+            results.append(EvalResult(name, note=f"not run: {e}"))
+    return results
+
+
+def results_json(results: list[EvalResult]) -> str:
+    rows = []
+    for r in results:
+        row = asdict(r)
+        row.pop("answers")
+        row["accuracy"] = r.accuracy
+        rows.append(row)
+    return json.dumps(rows, indent=2)

@@ -175,10 +175,33 @@ class AttentionConfig:
     backend_per_kind: dict[str, str] = field(default_factory=dict)
 
 
+# vLLM's default capture sizes, cut at 512 (tandem's steps are at most max_num_batched_tokens anyway).
+DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
 @dataclass(frozen=True)
 class CompilationConfig:
+    """`PIECEWISE`: a step of at most max(capture sizes) tokens is padded up to the next capture size, and so
+    are MTP's one-token draft decodes (DESIGN §5). On CUDA those fixed shapes are what graphs would replay; on
+    CPU tandem runs them eagerly, so the padding rules are the same code either way. `FULL` is accepted only
+    without PCP (and then behaves as PIECEWISE: tandem captures no graphs of its own)."""
+
     cudagraph_mode: str = "NONE"
     cudagraph_capture_sizes: tuple[int, ...] = ()
+
+    @property
+    def pads(self) -> bool:
+        return self.cudagraph_mode != "NONE"
+
+    @property
+    def capture_sizes(self) -> tuple[int, ...]:
+        return tuple(sorted(self.cudagraph_capture_sizes or DEFAULT_CAPTURE_SIZES))
+
+    def padded_size(self, num_tokens: int) -> int:
+        """The capture size a batch of `num_tokens` runs at (itself when padding is off or it is too big)."""
+        if not self.pads:
+            return num_tokens
+        return next((size for size in self.capture_sizes if size >= num_tokens), num_tokens)
 
 
 CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL")
@@ -223,6 +246,9 @@ class EngineConfig:
         if self.compilation_config.cudagraph_mode not in CUDAGRAPH_MODES:
             _fail("compilation_config.cudagraph_mode", self.compilation_config.cudagraph_mode,
                   f"one of {', '.join(CUDAGRAPH_MODES)}")
+        sizes = self.compilation_config.cudagraph_capture_sizes
+        if any(not isinstance(n, int) or n < 1 for n in sizes) or len(set(sizes)) != len(sizes):
+            _fail("compilation_config.cudagraph_capture_sizes", list(sizes), "distinct positive integers")
         return self
 
     def _reject_unsupported(self) -> None:

@@ -14,14 +14,20 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
 @pytest.mark.parametrize("arch,kind", [("llama", "full_attention"), ("deepseek_v3", "mla_attention")])
-def test_every_backend_of_a_kind_gives_the_same_tokens(tiny_checkpoints, arch, kind):
+@pytest.mark.parametrize("budget,query_block", [(16, None), (256, None), (256, 8)])
+def test_every_backend_of_a_kind_gives_the_same_tokens(tiny_checkpoints, monkeypatch, arch, kind, budget,
+                                                       query_block):
+    """budget 16: every row is short (absorbed MLA); 256: whole prompts are long rows (expanded MLA on PAGED_MLA,
+    query blocks on the paged backends, whole rows on the contiguous ones); query_block 8 splits them further."""
+    if query_block is not None:
+        monkeypatch.setattr("tandem.attention.metadata.QUERY_BLOCK", query_block)
     path = str(tiny_checkpoints(arch))
     prompts = random_prompts([5, 19, 33, 47], vocab_size=500, seed=17)
     results = {}
     for name, cls in registered_backends().items():
         if kind not in cls.kinds:
             continue
-        llm = LLM(path, dtype="float32", max_num_batched_tokens=16, attention_config={"backend": name})
+        llm = LLM(path, dtype="float32", max_num_batched_tokens=budget, attention_config={"backend": name})
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
         results[name] = [o.outputs[0].token_ids for o in outs]
     assert len(results) >= 2, f"need a PCP-capable and a non-PCP backend for {kind}, have {sorted(results)}"

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tandem.attention.metadata import AttentionMetadata, build_attention_metadata
+from tandem.attention.metadata import PAD_SLOT_ID, AttentionMetadata, build_attention_metadata
 from tandem.engine.step_plan import StepPlan
 from tandem.layers.sampler import SamplingMetadata
 
@@ -38,13 +38,23 @@ class InputBatch:
     logits_indices: torch.Tensor  # [sum_i (K_i + 1)] int64 token rows whose logits are computed
     draft_token_ids: torch.Tensor  # [sum_i K_i] int64
     sampling: SamplingMetadata | None  # per sampling row; positions = position of its first sampled token
+    # PIECEWISE padding: tokens [num_real, T) belong to no row (id 0, position 0, PAD_SLOT_ID: no KV write,
+    # no logits); their hidden states are zeroed after the target runs.
+    num_padding: int = 0
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
 
+    @property
+    def is_padding(self) -> torch.Tensor:  # [T] bool, the global padding mask
+        mask = torch.zeros(self.num_tokens, dtype=torch.bool, device=self.input_ids.device)
+        mask[self.num_tokens - self.num_padding:] = True
+        return mask
 
-def prepare_inputs(plan: StepPlan, block_size: int, device: str) -> InputBatch:
+
+def prepare_inputs(plan: StepPlan, block_size: int, device: str, padded_size: int | None = None) -> InputBatch:
+    """`padded_size`: the capture size to pad the step's tokens to (PIECEWISE), or None."""
     rows = plan.rows
     q_lens = np.array([len(r.token_ids) for r in rows], dtype=np.int64)
     starts = np.array([r.num_computed_tokens for r in rows], dtype=np.int64)
@@ -65,6 +75,12 @@ def prepare_inputs(plan: StepPlan, block_size: int, device: str) -> InputBatch:
                                     or [np.zeros(0, dtype=np.int64)])
     draft_ids = [t for i in sample_rows for t in rows[i].token_ids[len(rows[i].token_ids) - rows[i].num_draft_tokens:]]
 
+    num_padding = max(0, (padded_size or 0) - len(input_ids))
+    if num_padding:
+        input_ids = np.concatenate([input_ids, np.zeros(num_padding, dtype=np.int64)])
+        positions = np.concatenate([positions, np.zeros(num_padding, dtype=np.int64)])
+        slots = np.concatenate([slots, np.full(num_padding, PAD_SLOT_ID, dtype=np.int64)])
+
     def t(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(device)
 
@@ -75,7 +91,8 @@ def prepare_inputs(plan: StepPlan, block_size: int, device: str) -> InputBatch:
         sample_rows=sample_rows, num_draft_tokens=num_drafts, logits_indices=t(logits_indices),
         draft_token_ids=torch.tensor(draft_ids, dtype=torch.int64, device=device),
         sampling=_sampling_metadata(plan, sample_rows, starts + q_lens - np.array(
-            [r.num_draft_tokens for r in rows], dtype=np.int64), device))
+            [r.num_draft_tokens for r in rows], dtype=np.int64), device),
+        num_padding=num_padding)
 
 
 def _sampling_metadata(plan: StepPlan, sample_rows: list[int], first_sampled: np.ndarray,
@@ -94,6 +111,19 @@ def _sampling_metadata(plan: StepPlan, sample_rows: list[int], first_sampled: np
         positions=torch.from_numpy(first_sampled[sample_rows].astype(np.int64)).to(device),
         max_num_logprobs=max(logprobs) if logprobs else None,
         all_greedy=all(t == 0.0 for t in temps))
+
+
+def padding_batch(size: int, device: str) -> InputBatch:
+    """A batch of `size` padding tokens and no rows: what warmup runs at each capture size."""
+    def zeros(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    return InputBatch(
+        input_ids=zeros(size), positions=zeros(size), query_start_loc_cpu=torch.zeros(1, dtype=torch.int32),
+        seq_lens_cpu=torch.zeros(0, dtype=torch.int32), block_table=zeros(0, 1, dtype=torch.int32),
+        slot_mapping=torch.full((size,), PAD_SLOT_ID, dtype=torch.int64, device=device),
+        is_prefill_cpu=torch.zeros(0, dtype=torch.bool), sample_rows=[], num_draft_tokens=[],
+        logits_indices=zeros(0), draft_token_ids=zeros(0), sampling=None, num_padding=size)
 
 
 def global_attention_metadata(batch: InputBatch, block_size: int) -> AttentionMetadata:

@@ -17,7 +17,7 @@ from tandem.spec_decode.draft_mode import resolve_draft_mode
 from tandem.spec_decode.dspark_proposer import DSparkProposer
 from tandem.spec_decode.mtp_proposer import MTPProposer, ShardedStep
 from tandem.spec_decode.rejection_sampler import rejection_sample
-from tandem.worker.input_batch import InputBatch, prepare_inputs
+from tandem.worker.input_batch import InputBatch, global_attention_metadata, padding_batch, prepare_inputs
 from tandem.worker.kv_cache import allocate_kv_caches, bytes_per_block
 from tandem.worker.pcp_hooks import PCPHooks
 
@@ -32,6 +32,9 @@ class ModelRunner:
         self.pcp = PCPHooks(groups.pcp, self.block_size)
         spec = config.speculative_config
         self.draft_mode = resolve_draft_mode(config)
+        self.compilation = config.compilation_config
+        self.num_padding_tokens = 0  # padding tokens run so far (tests read it)
+        self.warmed_up_sizes: list[int] = []
         self.proposer = self._build_proposer()
         # distributions the last proposal's drafts were sampled from, per request (probabilistic drafting)
         self.draft_probs: dict[str, torch.Tensor] | None = (
@@ -43,7 +46,8 @@ class ModelRunner:
         if spec.method == "mtp":
             assert self.draft_mode.backend is not None
             backends = {attention_kind(model.architecture): self.draft_mode.backend}
-            return MTPProposer(self.model.mtp, backends, self.block_size, model.max_model_len, probabilistic)
+            return MTPProposer(self.model.mtp, backends, self.block_size, model.max_model_len, probabilistic,
+                               self.config.compilation_config.padded_size)
         if spec.method == "dspark":  # always replicated over the global batch (DESIGN §5)
             assert spec.model is not None
             drafter = load_dspark_drafter(spec.model, model, spec.max_num_speculative_tokens, self.device)
@@ -66,14 +70,42 @@ class ModelRunner:
                            self.config.model_config.dtype, self.device)
         if isinstance(self.proposer, DSparkProposer):
             self.proposer.allocate_kv_cache(num_blocks, self.block_size, self.config.model_config.dtype, self.device)
+        if self.compilation.pads:
+            self.warmup()
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Run every capture size once, largest first, on padding only (no row: nothing is written or
+        sampled), target then drafter as the selected draft mode runs it: sharded MTP on the target's own
+        metadata and backends, replicated MTP on the drafter's. Every rank runs the same sizes in the same
+        order, so the TP/EP collectives inside match up."""
+        for size in reversed(self.compilation.capture_sizes):
+            if size > self.config.scheduler_config.max_num_batched_tokens:
+                continue
+            batch = padding_batch(size, self.device)
+            meta = global_attention_metadata(batch, self.block_size)
+            with forward_context(meta, self.backends):
+                hidden = torch.zeros_like(self.model(batch.input_ids, batch.positions))  # padding rows are zero
+            if isinstance(self.proposer, DSparkProposer):
+                self.proposer.write_context(batch, torch.zeros_like(self.proposer.take_aux_hidden()))
+            elif isinstance(self.proposer, MTPProposer):
+                backends = self.backends if self.draft_mode.mode == "sharded" else self.proposer.backends
+                k = self.config.speculative_config.max_num_speculative_tokens
+                self.proposer.warmup(batch, meta, hidden, backends, k)
+            self.warmed_up_sizes.append(size)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
-        batch = prepare_inputs(plan, self.block_size, self.device)  # GLOBAL batch, same on every rank
+        # GLOBAL batch, same on every rank; under PIECEWISE padded up to a capture size
+        batch = prepare_inputs(plan, self.block_size, self.device, self.compilation.padded_size(plan.num_tokens))
+        self.num_padding_tokens += batch.num_padding
         local = self.pcp.maybe_partition(batch)  # identity at PCP size 1
         with forward_context(local.attn_metadata, self.backends, self.pcp.gather_kv):
             hidden = self.model(local.input_ids, local.positions)  # [T_local, hidden]
-        hidden_local, hidden = hidden, self.pcp.maybe_restore(hidden)  # [T_global, hidden]
+        if batch.num_padding and local.token_idx is None:  # PCP size 1: padding ran with the batch
+            hidden = hidden.masked_fill(batch.is_padding[:, None], 0)
+        # under PCP, padding is on no rank and restore() gives it zero rows
+        hidden_local, hidden = hidden, self.pcp.maybe_restore(hidden)  # [T_global(+padding), hidden]
         self._maybe_write_draft_context(batch)
         emitted, logprobs = self._verify_or_sample(plan, batch, hidden)
         sharded = ShardedStep(local, hidden_local, self.pcp) if self.draft_mode.mode == "sharded" else None
@@ -84,7 +116,7 @@ class ModelRunner:
         """DSpark's context K/V covers every target token, so it is written on every step, sampling or not."""
         if isinstance(self.proposer, DSparkProposer):
             aux = self.pcp.maybe_restore(self.proposer.take_aux_hidden())  # [T_global, n_layers * hidden]
-            self.proposer.write_context(batch, aux)
+            self.proposer.write_context(batch, aux.masked_fill(batch.is_padding[:, None], 0))
 
     def _verify_or_sample(self, plan: StepPlan, batch: InputBatch,
                           hidden: torch.Tensor) -> tuple[list[list[int]], list[list[dict[int, float]] | None]]:

@@ -37,8 +37,11 @@ class PCPHooks:
             self.part = None
             meta = global_attention_metadata(batch, self.block_size)
             return LocalBatch(batch.input_ids, batch.positions, None, meta, None)
-        writes = batch.slot_mapping >= 0
-        part = partition(batch.query_start_loc_cpu.numpy(), batch.is_prefill_cpu.numpy(), self.pcp.size)
+        real_slots = batch.slot_mapping[: batch.num_tokens - batch.num_padding]  # padding never writes
+        writes = real_slots >= 0
+        # graph padding belongs to no rank's segments; restore() gives it zero rows
+        part = partition(batch.query_start_loc_cpu.numpy(), batch.is_prefill_cpu.numpy(), self.pcp.size,
+                         batch.num_padding)
         view = local_metadata(part, self.pcp.rank, batch.positions.cpu().numpy(), batch.block_table.cpu().numpy())
         device = batch.input_ids.device
         token_idx = torch.from_numpy(view.token_idx).to(device)
@@ -48,7 +51,7 @@ class PCPHooks:
         meta = build_attention_metadata(
             torch.from_numpy(view.positions).to(device), torch.from_numpy(view.query_start_loc),
             torch.from_numpy(view.seq_lens), torch.from_numpy(view.block_table).to(device), self.block_size,
-            write_rows, batch.slot_mapping[writes])
+            write_rows, real_slots[writes])
         self.part = part
         return LocalBatch(batch.input_ids[token_idx], meta.positions, token_idx, meta, part)
 

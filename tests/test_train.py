@@ -28,7 +28,8 @@ def _tokenizer(tmp_path):
 def test_target_training_loss_falls_and_checkpoint_loads(tmp_path):
     torch.manual_seed(0)
     tok = _tokenizer(tmp_path)
-    model, history = train_target([], lambda s: tok.encode(s).ids, (Phase(24, 4, 128),), seed=0, peak_lr=3e-3,
+    encode = lambda s: tok.encode(s, add_special_tokens=False).ids  # noqa: E731
+    model, history = train_target([], encode, (Phase(24, 4, 128),), seed=0, peak_lr=3e-3,
                                   log=lambda _: None, config=TINY)
     first, last = history[0], history[-1]
     assert last["loss"] < first["loss"] - 1.0, (first, last)
@@ -43,6 +44,7 @@ def test_target_training_loss_falls_and_checkpoint_loads(tmp_path):
     from tandem import LLM, SamplingParams
 
     ids = tok.encode("Question: Ava has 3 apples.").ids
+    assert ids[0] == 0, "the tokenizer prepends <|bos|>"
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
     expect = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, min_new_tokens=8)[0, len(ids):]
     llm = LLM(str(out), dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": 2})

@@ -93,6 +93,8 @@ class LLMEngine:
         if not plan.rows:
             return []
         output = self.executor.execute(plan)
+        self.spec_stats.confidence_sum += output.draft_confidence[0]
+        self.spec_stats.num_confidences += output.draft_confidence[1]
         finished = []
         for req, row, k in self.scheduler.update(plan, output):
             emitted = output.sampled_token_ids[k]
@@ -196,6 +198,8 @@ class LLMEngine:
             Vector("tandem:spec_decode_num_accepted_tokens_per_pos", list(st.accepted_per_pos)),
             Gauge("tandem:spec_decode_acceptance_rate", st.acceptance_rate),
             Gauge("tandem:spec_decode_mean_acceptance_length", st.mean_acceptance_length),
+            *([Gauge("tandem:spec_decode_dspark_mean_confidence", st.mean_confidence)]
+              if self.spec.method == "dspark" else []),
         ]
 
     def shutdown(self) -> None:

@@ -53,3 +53,5 @@ class StepOutput:
     sampled_token_ids: list[list[int]]
     logprobs: list[list[dict[int, float]] | None]
     draft_token_ids: list[list[int]] = field(default_factory=list)
+    # DSpark: the confidence head's scores of this step's drafts, summed, and how many there were
+    draft_confidence: tuple[float, int] = (0.0, 0)

@@ -16,7 +16,6 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from tandem.data.gsm8k import (
@@ -71,8 +70,8 @@ def load_eval_data(data: str, shots_data: str | None, num_questions: int | None,
     return questions, shots
 
 
-def build_prompts(questions: list[Problem], shots: list[Problem], bos: str = "") -> list[str]:
-    return [bos + few_shot_prompt(shots, q.question) for q in questions]
+def build_prompts(questions: list[Problem], shots: list[Problem]) -> list[str]:
+    return [few_shot_prompt(shots, q.question) for q in questions]
 
 
 def score(result: EvalResult, questions: list[Problem], completions: list[str]) -> EvalResult:
@@ -87,24 +86,13 @@ def score(result: EvalResult, questions: list[Problem], completions: list[str]) 
     return result
 
 
-def _bos_text(model: str) -> str:
-    """The model's BOS token text when its tokenizer does not add one itself (tandem's tokenizers never do)."""
-    config = Path(model) / "tokenizer_config.json"
-    if not config.is_file():
-        return ""
-    raw = json.loads(config.read_text())
-    bos = raw.get("bos_token")
-    bos = bos.get("content") if isinstance(bos, dict) else bos
-    return bos if isinstance(bos, str) and not raw.get("add_bos_token", False) else ""
-
-
 def run_in_process(name: str, engine_kwargs: dict[str, Any], questions: list[Problem], shots: list[Problem],
                    max_tokens: int, temperature: float, seed: int) -> EvalResult:
     from tandem import LLM, SamplingParams
 
     llm = LLM(**engine_kwargs)
     try:
-        prompts = build_prompts(questions, shots, _bos_text(llm.engine.config.model_config.model))
+        prompts = build_prompts(questions, shots)  # the model's tokenizer adds its BOS, if it has one
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, stop=STOP_STRINGS, seed=seed)
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=True)

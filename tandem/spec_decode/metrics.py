@@ -15,6 +15,12 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    confidence_sum: float = 0.0  # DSpark's confidence head over every proposed draft
+    num_confidences: int = 0
+
+    @property
+    def mean_confidence(self) -> float:
+        return self.confidence_sum / self.num_confidences if self.num_confidences else 0.0
 
     def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
         if num_draft_tokens == 0:

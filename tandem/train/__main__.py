@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
             phases = tuple(Phase(max(1, ph.steps * args.target_steps // total), ph.batch_size, ph.seq_len)
                            for ph in DEFAULT_PHASES)
         log(json.dumps({"stage": "target", "phases": [vars(ph) for ph in phases]}))
-        model, _ = train_target(gsm8k, lambda s: tok.encode(s).ids, phases, seed=args.seed, log=log)
+        model, _ = train_target(gsm8k, lambda s: tok.encode(s, add_special_tokens=False).ids, phases,
+                                seed=args.seed, log=log)
         save_target(model, tok_dir, target_dir)
         log(json.dumps({"stage": "target", "saved": str(target_dir),
                         "elapsed_s": round(time.perf_counter() - start, 1)}))

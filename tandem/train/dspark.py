@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from tandem.data.gsm8k import STOP_STRINGS, Problem, few_shot_prompt
 from tandem.models.dspark import ARCHITECTURE, MODEL_TYPE, DSparkConfig, DSparkDrafter
-from tandem.train.tokenizer import BOS, PAD_ID
+from tandem.train.tokenizer import PAD_ID
 
 DEFAULT_DSPARK_STEPS = 300
 DEFAULT_DISTILL_PROMPTS = 768
@@ -54,7 +54,8 @@ def distill_sequences(target_dir: Path, gsm8k: list[Problem], num_prompts: int, 
     prompts = []
     for _ in range(num_prompts):
         shots_and_question = rng.sample(gsm8k, 3)
-        prompts.append(BOS + few_shot_prompt(shots_and_question[:2], shots_and_question[2].question))
+        # the tokenizer prepends <|bos|>
+        prompts.append(few_shot_prompt(shots_and_question[:2], shots_and_question[2].question))
     llm = LLM(model=str(target_dir), dtype="float32", max_num_seqs=64, max_num_batched_tokens=4096)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, stop=STOP_STRINGS),
                         use_tqdm=True)

@@ -5,11 +5,20 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from tandem.data.gsm8k import Problem, format_example
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
+
+
+def add_bos_post_processor(tok: Any) -> None:
+    """Every encoded prompt starts with <|bos|>, as every training row does (tandem's and transformers' encode
+    both apply it; training itself encodes with add_special_tokens=False)."""
+    from tokenizers import processors
+
+    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, BOS_ID)])
 
 
 def train_tokenizer(out: Path, corpus: list[Problem], vocab_size: int = 2048) -> None:
@@ -27,6 +36,7 @@ def train_tokenizer(out: Path, corpus: list[Problem], vocab_size: int = 2048) ->
     if tok.get_vocab_size() != vocab_size:
         raise RuntimeError(f"tokenizer corpus too small: trained vocab {tok.get_vocab_size()} != {vocab_size}")
     out.mkdir(parents=True, exist_ok=True)
+    add_bos_post_processor(tok)
     tok.save(str(out / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS, "pad_token": PAD,
               "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,

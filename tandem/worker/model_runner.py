@@ -110,7 +110,11 @@ class ModelRunner:
         emitted, logprobs = self._verify_or_sample(plan, batch, hidden)
         sharded = ShardedStep(local, hidden_local, self.pcp) if self.draft_mode.mode == "sharded" else None
         drafts = self._propose(plan, batch, hidden, emitted, sharded)
-        return StepOutput(emitted, logprobs, drafts)
+        confidence = (0.0, 0)
+        if isinstance(self.proposer, DSparkProposer) and drafts and self.proposer.last_confidence is not None:
+            scores = self.proposer.last_confidence  # [S, K]
+            confidence = (float(scores.sum()), scores.numel())
+        return StepOutput(emitted, logprobs, drafts, confidence)
 
     def _maybe_write_draft_context(self, batch: InputBatch) -> None:
         """DSpark's context K/V covers every target token, so it is written on every step, sampling or not."""

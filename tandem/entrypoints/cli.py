@@ -23,6 +23,7 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable); '\\n' is a newline")
     EngineArgs.add_cli_args(p)
 
 
@@ -86,8 +87,11 @@ def run_generate(args: argparse.Namespace) -> int:
     if not prompts:
         print("tandem generate: give at least one prompt with -p/--prompt or --prompts-file", file=sys.stderr)
         return 2
+    # "\n" typed in a shell arrives as backslash + n; prompts and stop strings take it as a newline
+    prompts = [p.replace("\\n", "\n") for p in prompts]
+    stop = [s.replace("\\n", "\n") for s in args.stop] if args.stop else None
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                            max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+                            max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, stop=stop)
     llm = LLM(**vars(EngineArgs.from_cli_args(args)))
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)

@@ -1,6 +1,6 @@
 """`python -m tandem.train`: rebuild the bundled model from scratch (tokenizer -> target + MTP -> DSpark).
 
-    python -m tandem.train --out tandem/assets            # the full run (about 45 min on 2 CPU cores)
+    python -m tandem.train --out build/bundle --bundle   # the full run (about 45 min on 2 CPU cores)
     python -m tandem.train --out /tmp/t --target-steps 4 --dspark-steps 4   # a smoke run
 
 Fixed seed; the run log (one JSON line per 10 steps) goes to OUT/train_log.jsonl and stdout.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -33,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--distill-prompts", type=int, default=None, help="train questions the target answers for DSpark")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--bundle", action="store_true", help="then copy both folders into tandem/assets")
     args = p.parse_args(argv)
     stages = [s for s in args.stages.split(",") if s]
     unknown = sorted(set(stages) - set(STAGES))
@@ -82,6 +84,12 @@ def main(argv: list[str] | None = None) -> int:
                      num_prompts=args.distill_prompts or DEFAULT_DISTILL_PROMPTS, seed=args.seed, log=log)
         log(json.dumps({"stage": "dspark", "saved": str(dspark_dir),
                         "elapsed_s": round(time.perf_counter() - start, 1)}))
+    if args.bundle:
+        from tandem.assets import ASSETS
+
+        for folder in (target_dir, dspark_dir):
+            shutil.copytree(folder, ASSETS / folder.name, dirs_exist_ok=True)
+        log(json.dumps({"stage": "bundle", "into": str(ASSETS)}))
     return 0
 
 

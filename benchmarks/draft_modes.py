@@ -1,0 +1,109 @@
+"""Sharded vs replicated MTP draft prefill under PCP: for ONE long prompt at PCP = P, the time-to-first-token
+with no drafter, with the MTP drafter sharded (its step 0 on each rank's DualChunkSwap segments) and with it
+replicated (every rank runs step 0 over the whole prompt), in one run; draft prefill time = TTFT with the
+drafter - TTFT without it. Also prints the bytes each mode moves over the PCP group.
+
+    .venv/bin/python benchmarks/draft_modes.py --prompt-len 8192 --repeats 3
+
+Model: the bundled tandem-dsv3-tiny (MLA, kv_lora_rank 512, one MTP layer) copied to a temporary folder with
+max_position_embeddings raised so an 8k prompt fits; its weights are untouched (this measures time, not text).
+Replicated mode is forced the way a user would: an explicit draft backend without PCP support
+(CONTIGUOUS_MLA). One thread per rank, prefix caching off, best of `--repeats`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pcp_prefill import machine_info, prompt_token_ids  # noqa: E402
+
+from tandem.assets import DEFAULT_MODEL  # noqa: E402
+from tandem.worker.pcp import partition  # noqa: E402
+
+MTP = {"method": "mtp", "num_speculative_tokens": 1}
+MODES = {"no drafter": None, "sharded": MTP, "replicated": {**MTP, "attention_backend": "CONTIGUOUS_MLA"}}
+
+
+def extra_bytes(config: dict, prompt_len: int, budget: int, pcp: int, mode: str) -> int:
+    """Bytes all-gathered over the PCP group by draft prefill, beyond what the target already moves.
+    Sharded, per prefill step: the MTP layer's latent K/V (P * max_local * (kv_lora + rope) * 4) and the restore
+    of step 0's two outputs (2 * P * max_local * hidden * 4). Replicated: nothing (it reads the target's restored
+    hidden states, which the target gathers anyway for its logits, and computes every token on every rank)."""
+    if mode != "sharded":
+        return 0
+    elem = 4  # float32 compute
+    per_token = (config["kv_lora_rank"] + config["qk_rope_head_dim"] + 2 * config["hidden_size"]) * elem
+    chunks = [min(budget, prompt_len - s) for s in range(0, prompt_len, budget)]
+    return sum(pcp * partition(np.array([0, n]), np.array([True]), pcp).max_local_tokens * per_token
+               for n in chunks)
+
+
+def ttft(model: Path, ids: list[int], pcp: int, budget: int, spec: dict | None, repeats: int) -> tuple[float, str]:
+    from tandem import LLM, SamplingParams
+
+    torch.set_num_threads(pcp)  # the executor hands each rank get_num_threads() // world = 1 thread
+    llm = LLM(str(model), dtype="float32", prefill_context_parallel_size=pcp, max_num_batched_tokens=budget,
+              max_model_len=len(ids) + 8, enable_prefix_caching=False, speculative_config=spec)
+    params = SamplingParams(temperature=0, max_tokens=1)
+    try:
+        llm.generate([{"prompt_token_ids": ids[:64]}], params, use_tqdm=False)  # warm-up
+        walls = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+            walls.append(time.perf_counter() - start)
+        return min(walls), str(llm.draft_mode)
+    finally:
+        llm.shutdown()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompt-len", type=int, default=8192)
+    p.add_argument("--pcp-size", type=int, default=2)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    info = machine_info()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Path(tmp) / "model"
+        shutil.copytree(DEFAULT_MODEL, model)
+        config = json.loads((model / "config.json").read_text())
+        config["max_position_embeddings"] = max(config["max_position_embeddings"], args.prompt_len + 64)
+        (model / "config.json").write_text(json.dumps(config))
+        ids = prompt_token_ids(config["vocab_size"], args.prompt_len, 0)
+        print(f"{info['cpu']}, {info['num_cores']} cores, torch {info['torch']}, "
+              f"load {info['load_avg_1m_at_start']:.2f}")
+        print(f"one prompt of {args.prompt_len} tokens, PCP={args.pcp_size}, budget {args.max_num_batched_tokens}, "
+              f"1 thread per rank, best of {args.repeats}")
+        rows = {}
+        for name, spec in MODES.items():
+            wall, mode = ttft(model, ids, args.pcp_size, args.max_num_batched_tokens, spec, args.repeats)
+            rows[name] = {"ttft_s": wall, "draft_mode": mode,
+                          "extra_gather_bytes": extra_bytes(config, args.prompt_len, args.max_num_batched_tokens,
+                                                            args.pcp_size, name)}
+    base = rows["no drafter"]["ttft_s"]
+    print(f"\n{'mode':>12}{'TTFT s':>9}{'draft prefill s':>17}{'extra bytes gathered':>22}")
+    for name, r in rows.items():
+        r["draft_prefill_s"] = r["ttft_s"] - base if name != "no drafter" else 0.0
+        print(f"{name:>12}{r['ttft_s']:>9.2f}{r['draft_prefill_s']:>17.2f}{r['extra_gather_bytes']:>22,}")
+    ratio = rows["sharded"]["draft_prefill_s"] / max(rows["replicated"]["draft_prefill_s"], 1e-9)
+    print(f"\nsharded / replicated draft prefill = {ratio:.2f} (expect <= 0.6)")
+    if args.json:
+        args.json.write_text(json.dumps({"machine": info, "args": vars(args) | {"json": str(args.json)},
+                                         "rows": rows, "sharded_over_replicated": ratio}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

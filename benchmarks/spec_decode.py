@@ -1,10 +1,12 @@
 """Speculative decoding benchmark: output tokens/s and mean acceptance length of no-spec vs MTP K=1..3
-vs n-gram, at batch 1 and batch 32, in one run on one model.
+vs n-gram (and DSpark on the bundled model), at batch 1 and batch 32, in one run on one model.
 
-    python benchmarks/spec_decode.py --model PATH [--max-tokens 64] [--json out.json]
+    python benchmarks/spec_decode.py [--model PATH] [--max-tokens 128] [--json out.json]
 
-MTP rows need a checkpoint with MTP layers (num_nextn_predict_layers > 0); they are skipped otherwise.
-Prompts: GSM8K test questions from ../shared/data/gsm8k when present, else a built-in list.
+Default model: the bundled tandem-dsv3-tiny, with its trained MTP head and DSpark drafter. MTP rows need a
+checkpoint with MTP layers (num_nextn_predict_layers > 0); they are skipped otherwise. Prompts: 5-shot GSM8K
+test questions (`tandem eval gsm8k`'s layout) from ../shared/data/gsm8k when present, else the synthetic split;
+generation stops at the answer's end (a blank line), as in the eval.
 """
 
 from __future__ import annotations
@@ -15,23 +17,22 @@ import time
 from pathlib import Path
 
 from tandem import LLM, SamplingParams
+from tandem.assets import DEFAULT_DSPARK, DEFAULT_MODEL
+from tandem.data.gsm8k import SHARED_GSM8K, STOP_STRINGS
+from tandem.eval.gsm8k import build_prompts, load_eval_data
 
-GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
-FALLBACK = ["Question: Tom has 3 apples and buys 5 more. How many apples does he have?\nAnswer:",
-            "Question: A train travels 60 km per hour for 3 hours. How far does it go?\nAnswer:",
-            "Question: Sara reads 12 pages a day. How many pages does she read in a week?\nAnswer:"]
+GSM8K = SHARED_GSM8K / "test.jsonl"
 
 
 def prompts(n: int) -> list[str]:
-    if GSM8K.is_file():
-        rows = [json.loads(line) for line in GSM8K.read_text().splitlines()[:n]]
-        return [f"Question: {r['question']}\nAnswer:" for r in rows]
-    return [FALLBACK[i % len(FALLBACK)] for i in range(n)]
+    data = str(GSM8K) if GSM8K.is_file() else "synthetic"
+    questions, shots = load_eval_data(data, None, n, 5, seed=42)
+    return build_prompts(questions, shots)
 
 
 def run(model: str, spec: dict | None, batch: int, max_tokens: int, args: argparse.Namespace) -> dict:
     llm = LLM(model, dtype=args.dtype, max_model_len=args.max_model_len, speculative_config=spec)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, stop=STOP_STRINGS)
     llm.generate(prompts(1), SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
     start = time.perf_counter()
     outs = llm.generate(prompts(batch), params, use_tqdm=False)
@@ -46,11 +47,11 @@ def run(model: str, spec: dict | None, batch: int, max_tokens: int, args: argpar
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True)
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--model", default=str(DEFAULT_MODEL))
+    p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--json")
     args = p.parse_args()
     has_mtp = bool(json.loads((Path(args.model) / "config.json").read_text()).get("num_nextn_predict_layers"))
@@ -58,6 +59,8 @@ def main() -> None:
     if has_mtp:
         configs += [(f"mtp K={k}", {"method": "mtp", "num_speculative_tokens": k}) for k in (1, 2, 3)]
     configs.append(("ngram K=3", {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}))
+    if Path(args.model) == DEFAULT_MODEL:
+        configs.append(("dspark K=3", {"method": "dspark", "model": str(DEFAULT_DSPARK), "num_speculative_tokens": 3}))
     results = []
     print(f"{'config':<12} {'batch':>5} {'tok/s':>9} {'vs no-spec':>10} {'accept len':>10} {'accept rate':>11}")
     for batch in args.batches:

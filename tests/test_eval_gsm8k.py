@@ -27,9 +27,14 @@ def test_extract_answer(text, expected):
 
 
 def test_synthetic_split_is_deterministic_and_well_formed():
+    import random
+
+    from tandem.data.gsm8k import arithmetic_drill
+
     a, b = synthetic_split("test", 50), synthetic_split("test", 50)
     assert a == b and synthetic_split("shots", 50) != a
-    for p in a:
+    rng = random.Random(0)
+    for p in a + [arithmetic_drill(rng) for _ in range(50)]:
         assert p.answer.count("####") == 1 and "<<" in p.answer
         # the calculator annotations are right
         for expr in [seg.split(">>")[0] for seg in p.answer.split("<<")[1:]]:

@@ -47,6 +47,12 @@ def test_target_training_loss_falls_and_checkpoint_loads(tmp_path):
     assert ids[0] == 0, "the tokenizer prepends <|bos|>"
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
     expect = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, min_new_tokens=8)[0, len(ids):]
+    # --resume-from reads the folder back into the training module exactly as transformers reads it
+    from tandem.train.loop import load_for_training
+
+    with torch.no_grad():
+        resumed = load_for_training(out, TINY).eval()(torch.tensor([ids]))[0]
+        assert torch.equal(resumed, hf(torch.tensor([ids])).logits)
     llm = LLM(str(out), dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     got = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                        use_tqdm=False)[0].outputs[0].token_ids

@@ -125,6 +125,23 @@ def _one_problem(rng: random.Random) -> Problem:
     return Problem(q, ans)
 
 
+def arithmetic_drill(rng: random.Random) -> Problem:
+    """A one-line calculator problem: the arithmetic of the synthetic problems without their words, so a short
+    training phase spends its tokens on the facts the small model gets wrong."""
+    kind = rng.randrange(3)
+    if kind == 0:
+        a, b = rng.randint(2, 99), rng.randint(2, 99)
+        expr, value = f"{a}+{b}", a + b
+    elif kind == 1:
+        a = rng.randint(3, 100)
+        b = rng.randint(1, a - 1)
+        expr, value = f"{a}-{b}", a - b
+    else:
+        a, b = rng.randint(2, 12), rng.randint(2, 9)
+        expr, value = f"{a}*{b}", a * b
+    return Problem(f"What is {expr}?", f"{expr} = <<{expr}={value}>>{value}\n#### {value}")
+
+
 # Seeds of the named synthetic splits; training draws from its own stream, so no split leaks into another.
 SYNTHETIC_SEEDS = {"train": 1, "test": 2, "shots": 3}
 

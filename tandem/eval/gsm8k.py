@@ -101,7 +101,7 @@ def run_in_process(name: str, engine_kwargs: dict[str, Any], questions: list[Pro
         if errors:
             raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0]}")
         result.output_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        metrics = {m.name: m.value for m in llm.get_metrics()}
+        metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
         if metrics.get("tandem:spec_decode_num_drafts"):
             result.acceptance_rate = float(metrics["tandem:spec_decode_acceptance_rate"])  # type: ignore[arg-type]
             result.acceptance_length = float(metrics["tandem:spec_decode_mean_acceptance_length"])  # type: ignore[arg-type]

@@ -9,6 +9,7 @@ Fixed seed; the run log (one JSON line per 10 steps) goes to OUT/train_log.jsonl
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -35,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--bundle", action="store_true", help="then copy both folders into tandem/assets")
+    p.add_argument("--resume-from", default=None, help="a saved target checkpoint to continue (with --start-phase)")
+    p.add_argument("--start-phase", type=int, default=0, help="first target phase to run (a restart phase)")
     args = p.parse_args(argv)
     stages = [s for s in args.stages.split(",") if s]
     unknown = sorted(set(stages) - set(STAGES))
@@ -63,17 +66,18 @@ def main(argv: list[str] | None = None) -> int:
     if "target" in stages:
         from tokenizers import Tokenizer
 
-        from tandem.train.loop import DEFAULT_PHASES, Phase, save_target, train_target
+        from tandem.train.loop import DEFAULT_PHASES, save_target, train_target
 
         tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
         phases = DEFAULT_PHASES
         if args.target_steps is not None:  # a shortened run keeps the phase proportions
             total = sum(ph.steps for ph in DEFAULT_PHASES)
-            phases = tuple(Phase(max(1, ph.steps * args.target_steps // total), ph.batch_size, ph.seq_len)
+            phases = tuple(dataclasses.replace(ph, steps=max(1, ph.steps * args.target_steps // total))
                            for ph in DEFAULT_PHASES)
         log(json.dumps({"stage": "target", "phases": [vars(ph) for ph in phases]}))
+        resume = Path(args.resume_from) if args.resume_from else None
         model, _ = train_target(gsm8k, lambda s: tok.encode(s, add_special_tokens=False).ids, phases,
-                                seed=args.seed, log=log)
+                                seed=args.seed, log=log, start_phase=args.start_phase, resume_from=resume)
         save_target(model, tok_dir, target_dir)
         log(json.dumps({"stage": "target", "saved": str(target_dir),
                         "elapsed_s": round(time.perf_counter() - start, 1)}))

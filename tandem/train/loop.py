@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tandem.data.gsm8k import Problem, format_example, synthetic_stream
+from tandem.data.gsm8k import Problem, arithmetic_drill, format_example, synthetic_stream
 from tandem.train.target import TARGET_CONFIG, TargetForTraining
 from tandem.train.tokenizer import BOS_ID
 
@@ -28,15 +28,23 @@ class Phase:
     steps: int
     batch_size: int
     seq_len: int
+    synthetic_share: float = 0.5  # of examples: synthetic problems (the rest GSM8K train, or drills)
+    drill_share: float = 0.0  # of examples: one-line arithmetic drills
+    peak_lr: float = 2e-3
+    # Start over from the weights as a saved checkpoint holds them (bfloat16-rounded) with a fresh optimizer and
+    # LR schedule, so `--resume-from CHECKPOINT --start-phase i` continues exactly as the one-process run does.
+    restart: bool = False
 
 
 # Most steps on short sequences (cheap attention), then a long phase so 5-shot prompts (~850-1,300 tokens)
-# sit inside the trained context.
-DEFAULT_PHASES = (Phase(520, 12, 512), Phase(80, 4, 1536))
+# sit inside the trained context, then an arithmetic phase: after the first two the model has GSM8K's layout
+# down but computes 4*6 = 16, so the last phase spends its tokens on drills and synthetic problems.
+DEFAULT_PHASES = (Phase(520, 12, 512), Phase(80, 4, 1536),
+                  Phase(260, 12, 512, synthetic_share=0.45, drill_share=0.4, peak_lr=1e-3, restart=True))
 
 
 def packed_sequences(gsm8k: list[Problem], encode: Any, seed: int, seq_len: int,
-                     synthetic_share: float = 0.5) -> Iterator[list[int]]:
+                     synthetic_share: float = 0.5, drill_share: float = 0.0) -> Iterator[list[int]]:
     """Endless [BOS, example, example, ...] rows of exactly seq_len tokens; each row starts at an example
     boundary (as a few-shot prompt does), the example that overflows is cut."""
     rng = random.Random(seed)
@@ -44,7 +52,10 @@ def packed_sequences(gsm8k: list[Problem], encode: Any, seed: int, seq_len: int,
     order: list[int] = []
 
     def next_example() -> list[int]:
-        if not gsm8k or rng.random() < synthetic_share:
+        draw = rng.random()
+        if draw < drill_share:
+            return encode(format_example(arithmetic_drill(rng)))
+        if not gsm8k or draw < drill_share + synthetic_share:
             return encode(format_example(next(synthetic)))
         if not order:
             order.extend(rng.sample(range(len(gsm8k)), len(gsm8k)))
@@ -58,21 +69,89 @@ def packed_sequences(gsm8k: list[Problem], encode: Any, seed: int, seq_len: int,
 
 
 def _lr(step: int, total: int, peak: float, warmup: int = 30) -> float:
+    """Warmup then cosine to 10% over one schedule (a phase with its own peak starts a schedule of its own)."""
     if step < warmup:
         return peak * (step + 1) / warmup
     progress = (step - warmup) / max(1, total - warmup)
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def train_target(gsm8k: list[Problem], encode: Any, phases: tuple[Phase, ...] = DEFAULT_PHASES, seed: int = 0,
-                 peak_lr: float = 2e-3, log: Any = print, config: dict[str, Any] = TARGET_CONFIG
-                 ) -> tuple[TargetForTraining, list[dict[str, float]]]:
-    torch.manual_seed(seed)
-    model = TargetForTraining(config).train()
+def _optimizer(model: TargetForTraining, peak_lr: float) -> torch.optim.Optimizer:
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=peak_lr, betas=(0.9, 0.95))
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=peak_lr, betas=(0.9, 0.95))
+
+
+@torch.no_grad()
+def _round_like_checkpoint(model: TargetForTraining) -> None:
+    for p in model.parameters():
+        p.copy_(p.to(torch.bfloat16).float())  # the routing bias is a buffer and stays float32, as saved
+
+
+def _schedules(phases: tuple[Phase, ...]) -> list[tuple[int, int]]:
+    """Per phase: (step within its LR schedule, that schedule's length); a restart phase begins a new schedule."""
+    out, bounds = [], []
+    for i, ph in enumerate(phases):
+        if i == 0 or ph.restart:
+            bounds.append(i)
+    for b, start in enumerate(bounds):
+        end = bounds[b + 1] if b + 1 < len(bounds) else len(phases)
+        total = sum(ph.steps for ph in phases[start:end])
+        offset = 0
+        for ph in phases[start:end]:
+            out.append((offset, total))
+            offset += ph.steps
+    return out
+
+
+def load_for_training(folder: Path, config: dict[str, Any] = TARGET_CONFIG) -> TargetForTraining:
+    """A saved checkpoint (save_target's layout) back into the training module, in float32."""
+    from safetensors.torch import load_file
+
+    model = TargetForTraining(config)
+    tensors = load_file(str(folder / "model.safetensors"))
+    mtp = f"model.layers.{config['num_hidden_layers']}."
+    own = {"enorm.weight": model.mtp.enorm.weight, "hnorm.weight": model.mtp.hnorm.weight,
+           "eh_proj.weight": model.mtp.eh_proj.weight, "shared_head.norm.weight": model.mtp.norm.weight}
+    state = model.lm.state_dict()
+    with torch.no_grad():
+        for leaf, param in own.items():
+            param.copy_(tensors.pop(mtp + leaf).float())
+        for leaf in ("embed_tokens.weight", "shared_head.head.weight"):
+            tensors.pop(mtp + leaf)  # copies of the trunk's embedding and head
+        for name in list(tensors):
+            # per-expert checkpoint tensors -> HF's fused [E, 2I, H] gate_up_proj and [E, H, I] down_proj
+            if ".mlp.experts." in name:
+                prefix, expert, leaf = name.rsplit(".", 2)[0].rsplit(".", 1)[0], int(name.split(".")[-3]), name
+                kind = leaf.split(".")[-2]
+                value = tensors.pop(name).float()
+                inter = value.shape[0] if kind != "down_proj" else value.shape[1]
+                if kind == "gate_proj":
+                    state[f"{prefix}.gate_up_proj"][expert, :inter] = value
+                elif kind == "up_proj":
+                    state[f"{prefix}.gate_up_proj"][expert, inter:] = value
+                else:
+                    state[f"{prefix}.down_proj"][expert] = value
+        for name, value in tensors.items():
+            state[name].copy_(value.to(state[name].dtype))
+    return model
+
+
+def train_target(gsm8k: list[Problem], encode: Any, phases: tuple[Phase, ...] = DEFAULT_PHASES, seed: int = 0,
+                 peak_lr: float = 2e-3, log: Any = print, config: dict[str, Any] = TARGET_CONFIG,
+                 start_phase: int = 0, resume_from: Path | None = None,
+                 ) -> tuple[TargetForTraining, list[dict[str, float]]]:
+    """`phases[i].peak_lr` of the first phase of each schedule sets that schedule's peak (`peak_lr` overrides
+    the first phase's, for tests). `resume_from` + `start_phase`: continue a saved checkpoint at a restart phase."""
+    torch.manual_seed(seed)
+    if resume_from is not None:
+        if not phases[start_phase].restart:
+            raise ValueError(f"start_phase={start_phase}: resuming needs a restart phase (bf16 weights, fresh "
+                             "optimizer), as only those begin from what a checkpoint holds")
+        model = load_for_training(resume_from, config).train()
+    else:
+        model = TargetForTraining(config).train()
     counts: list[torch.Tensor] = [torch.zeros(config["n_routed_experts"]) for _ in model.gates()]
 
     def count_hook(index: int) -> Any:
@@ -83,15 +162,26 @@ def train_target(gsm8k: list[Problem], encode: Any, phases: tuple[Phase, ...] = 
     for i, gate in enumerate(model.gates()):
         gate.register_forward_hook(count_hook(i))
 
-    total = sum(p.steps for p in phases)
+    schedules = _schedules(phases)
     history: list[dict[str, float]] = []
-    step, start = 0, time.perf_counter()
-    for phase in phases:
-        stream = packed_sequences(gsm8k, encode, seed + step, phase.seq_len)
-        for _ in range(phase.steps):
+    step = sum(ph.steps for ph in phases[:start_phase])
+    start = time.perf_counter()
+    opt = None
+    for index in range(start_phase, len(phases)):
+        phase = phases[index]
+        peak = peak_lr if index == 0 else phase.peak_lr
+        if opt is None or phase.restart:
+            if phase.restart:
+                _round_like_checkpoint(model)
+            opt = _optimizer(model, peak)
+            schedule_peak = peak
+        stream = packed_sequences(gsm8k, encode, seed + step, phase.seq_len, phase.synthetic_share,
+                                  phase.drill_share)
+        offset, total = schedules[index]
+        for local in range(phase.steps):
             ids = torch.tensor([next(stream) for _ in range(phase.batch_size)])  # [B, T]
             for group in opt.param_groups:
-                group["lr"] = _lr(step, total, peak_lr)
+                group["lr"] = _lr(offset + local, total, schedule_peak)
             for c in counts:
                 c.zero_()
             with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -101,10 +191,10 @@ def train_target(gsm8k: list[Problem], encode: Any, phases: tuple[Phase, ...] = 
             opt.step()
             opt.zero_grad(set_to_none=True)
             model.balance_experts(counts)
-            stats = {"step": step, "seq_len": phase.seq_len, "elapsed_s": round(time.perf_counter() - start, 1),
-                     **{k: round(v, 4) for k, v in stats.items()}}
+            stats = {"step": step, "phase": index, "seq_len": phase.seq_len,
+                     "elapsed_s": round(time.perf_counter() - start, 1), **{k: round(v, 4) for k, v in stats.items()}}
             history.append(stats)
-            if step % 10 == 0 or step == total - 1:
+            if step % 10 == 0 or local == phase.steps - 1:
                 log(json.dumps(stats))
             step += 1
     return model.eval(), history

@@ -26,7 +26,7 @@ from tandem.models.dspark import ARCHITECTURE, MODEL_TYPE, DSparkConfig, DSparkD
 from tandem.train.tokenizer import PAD_ID
 
 DEFAULT_DSPARK_STEPS = 300
-DEFAULT_DISTILL_PROMPTS = 768
+DEFAULT_DISTILL_PROMPTS = 512
 ANCHORS_PER_SEQUENCE = 24
 SLOT_DECAY = 0.8  # later slots matter only when the earlier ones were accepted
 CONFIDENCE_LOSS_WEIGHT = 0.1

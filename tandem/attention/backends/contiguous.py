@@ -10,10 +10,9 @@ The cache is still written (for later steps), but this step's tokens are never r
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from tandem.attention.backend import AttentionBackend, register_backend
-from tandem.attention.backends.prefix import gather_rows, write_kv
+from tandem.attention.backends.prefix import gather_rows, grouped_sdpa, write_kv
 from tandem.attention.metadata import AttentionMetadata, row_groups
 from tandem.attention.mla import MLAUpProjection, absorb, up_project
 
@@ -23,7 +22,6 @@ def cached_prefix_plus_new_attention(q: torch.Tensor, k_new: torch.Tensor, v_new
                                      scale: float) -> torch.Tensor:
     """q: [T, Hq, Dk]; k_new/v_new: [T, Hkv, D*] aligned with q; k_flat/v_flat: [num_slots, Hkv, D*] cache."""
     out = q.new_zeros(q.shape[0], q.shape[1], v_flat.shape[-1])
-    gqa = q.shape[1] != k_flat.shape[1]
     for g in row_groups(meta):  # whole rows: a row's new keys come from its own new tokens
         context_len = meta.positions[g.token_idx[:, 0]]  # [G] first new position = tokens cached before
         s = g.kv_slots.shape[1]
@@ -31,13 +29,10 @@ def cached_prefix_plus_new_attention(q: torch.Tensor, k_new: torch.Tensor, v_new
         q_off = torch.arange(g.token_idx.shape[1], device=q.device)
         causal_new = (q_off[None, :, None] >= q_off[None, None, :]) & g.token_valid[:, None, :]  # [G, Q, Q]
         mask = torch.cat((in_context[:, None, :].expand(-1, q_off.shape[0], -1), causal_new), dim=-1)
-        keys = torch.cat((gather_rows(k_flat, g.kv_slots).to(q.dtype), gather_rows(k_new, g.token_idx)),
-                         dim=1).transpose(1, 2)
-        values = torch.cat((gather_rows(v_flat, g.kv_slots).to(q.dtype), gather_rows(v_new, g.token_idx)),
-                           dim=1).transpose(1, 2)
-        og = F.scaled_dot_product_attention(q[g.token_idx].transpose(1, 2), keys, values,
-                                            attn_mask=mask.unsqueeze(1), scale=scale, enable_gqa=gqa)
-        out[g.token_idx[g.token_valid]] = og.transpose(1, 2)[g.token_valid]
+        keys = torch.cat((gather_rows(k_flat, g.kv_slots).to(q.dtype), gather_rows(k_new, g.token_idx)), dim=1)
+        values = torch.cat((gather_rows(v_flat, g.kv_slots).to(q.dtype), gather_rows(v_new, g.token_idx)), dim=1)
+        og = grouped_sdpa(q[g.token_idx], keys, values, mask.unsqueeze(1), scale)  # [G, Q, Hq, Dv]
+        out[g.token_idx[g.token_valid]] = og[g.token_valid]
     return out
 
 

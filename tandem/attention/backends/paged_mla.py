@@ -43,7 +43,7 @@ class PagedMLABackend(AttentionBackend):
         if short:
             lat = cache_flat.unsqueeze(1)  # [num_slots, 1, L + R]
             sub = dataclasses.replace(meta, groups=short)
-            o_latent = prefix_attention(absorb(q_nope, q_pe, up), lat, lat[..., :lora], sub, scale)  # [T, H, L]
+            o_latent = prefix_attention(absorb(q_nope, q_pe, up), lat, None, sub, scale, value_dims=lora)  # [T, H, L]
             rows = torch.cat([g.token_idx[g.token_valid] for g in short])
             out[rows] = up_project(o_latent[rows], up)
         for g in meta.groups:

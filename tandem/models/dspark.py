@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from tandem.attention.backends.prefix import grouped_sdpa
 from tandem.config import ConfigError, ModelConfig
 from tandem.distributed.groups import SINGLE
 from tandem.layers.embedding import VocabParallelEmbedding
@@ -166,10 +166,10 @@ class DSparkAttention(nn.Module):
         cache = self.kv_cache.flatten(1, 2)  # [2, num_slots, Hkv, D]
         keys = torch.cat((cache[0, prefix.kv_slots].to(x.dtype), k.view(s, -1, *k.shape[1:])), dim=1)  # [S, L+B, ..]
         values = torch.cat((cache[1, prefix.kv_slots].to(x.dtype), v.view(s, -1, *v.shape[1:])), dim=1)
-        out = F.scaled_dot_product_attention(
-            q.view(s, -1, *q.shape[1:]).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=prefix.mask, scale=self.head_dim**-0.5, enable_gqa=self.num_heads != self.num_kv_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(x.shape[0], -1))  # [S, Hq, B, D] -> [S * B, Hq * D]
+        qs = q.view(s, -1, *q.shape[1:])  # [S, B, Hq, D]
+        mask = prefix.mask.expand(-1, -1, qs.shape[1], -1)  # [S, 1, B, L + B]
+        out = grouped_sdpa(qs, keys, values, mask, self.head_dim**-0.5)  # [S, B, Hq, D]
+        return self.o_proj(out.reshape(x.shape[0], -1))  # [S * B, Hq * D]
 
 
 class DSparkDecoderLayer(nn.Module):

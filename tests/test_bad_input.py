@@ -64,7 +64,13 @@ def test_malformed_config_and_missing_folder(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
         LLM(str(tmp_path))
-    with pytest.raises(ConfigError, match="no bundled default model"):
+
+
+
+def test_missing_bundled_model_is_named(monkeypatch, tmp_path):
+    # LLM() with no model uses tandem/assets; should that folder be gone, the error says where it looked
+    monkeypatch.setattr("tandem.assets.DEFAULT_MODEL", tmp_path / "gone")
+    with pytest.raises(ConfigError, match=r"model=None: the bundled default model is missing from .*gone; pass MODEL"):
         LLM()
 
 

@@ -42,12 +42,19 @@ def up_project(o_latent: torch.Tensor, up: MLAUpProjection) -> torch.Tensor:
 def expanded_group_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, entries: torch.Tensor, g: PrefixGroup,
                              scale: float, up: MLAUpProjection) -> torch.Tensor:
     """One prefix group in expanded form. entries: [num_slots, L + rope] latent cache -> [G, Q, H, v]."""
-    lora = up.w_uk.shape[-1]
     latent = gather_rows(entries, g.kv_slots).to(q_nope.dtype)  # [G, S, L + rope]
+    return expanded_attention(gather_rows(q_nope, g.token_idx), gather_rows(q_pe, g.token_idx), latent, g.mask,
+                              scale, up)
+
+
+def expanded_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, mask: torch.Tensor,
+                       scale: float, up: MLAUpProjection) -> torch.Tensor:
+    """q_nope: [G, Q, H, nope]; q_pe: [G, Q, H, rope]; latent: [G, S, L + rope]; mask: [G, 1, Q, S] -> [G, Q, H, v]."""
+    lora = up.w_uk.shape[-1]
     kv_c, k_pe = latent[..., :lora], latent[..., lora:]
     k_nope = torch.einsum("gsl,hdl->ghsd", kv_c, up.w_uk)  # [G, H, S, nope]
     v = torch.einsum("gsl,hvl->ghsv", kv_c, up.w_uv)  # [G, H, S, v]
     k = torch.cat((k_nope, k_pe[:, None].expand(-1, k_nope.shape[1], -1, -1)), dim=-1)  # [G, H, S, nope + rope]
-    q = torch.cat((gather_rows(q_nope, g.token_idx), gather_rows(q_pe, g.token_idx)), dim=-1)  # [G, Q, H, *]
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=g.mask, scale=scale)  # [G, H, Q, v]
+    q = torch.cat((q_nope, q_pe), dim=-1).transpose(1, 2)  # [G, H, Q, nope + rope]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [G, H, Q, v]
     return out.transpose(1, 2)

@@ -13,8 +13,20 @@ import torch
 
 from tandem.attention.backend import AttentionBackend, register_backend
 from tandem.attention.backends.prefix import gather_rows, grouped_sdpa, write_kv
-from tandem.attention.metadata import AttentionMetadata, row_groups
-from tandem.attention.mla import MLAUpProjection, absorb, up_project
+from tandem.attention.metadata import SHORT_ROW_TOKENS, AttentionMetadata, PrefixGroup, row_groups
+from tandem.attention.mla import MLAUpProjection, absorb, expanded_attention, up_project
+
+
+def _mask(g: PrefixGroup, meta: AttentionMetadata) -> torch.Tensor:
+    """[G, 1, Q, S + Q]: a row's cached prefix (positions before its first new token), then its new tokens
+    causally."""
+    context_len = meta.positions[g.token_idx[:, 0]]  # [G] first new position = tokens cached before
+    s = g.kv_slots.shape[1]
+    device = g.kv_slots.device
+    in_context = torch.arange(s, device=device)[None, :] < context_len[:, None]  # [G, S]
+    q_off = torch.arange(g.token_idx.shape[1], device=device)
+    causal_new = (q_off[None, :, None] >= q_off[None, None, :]) & g.token_valid[:, None, :]  # [G, Q, Q]
+    return torch.cat((in_context[:, None, :].expand(-1, q_off.shape[0], -1), causal_new), dim=-1).unsqueeze(1)
 
 
 def cached_prefix_plus_new_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
@@ -23,15 +35,9 @@ def cached_prefix_plus_new_attention(q: torch.Tensor, k_new: torch.Tensor, v_new
     """q: [T, Hq, Dk]; k_new/v_new: [T, Hkv, D*] aligned with q; k_flat/v_flat: [num_slots, Hkv, D*] cache."""
     out = q.new_zeros(q.shape[0], q.shape[1], v_flat.shape[-1])
     for g in row_groups(meta):  # whole rows: a row's new keys come from its own new tokens
-        context_len = meta.positions[g.token_idx[:, 0]]  # [G] first new position = tokens cached before
-        s = g.kv_slots.shape[1]
-        in_context = torch.arange(s, device=q.device)[None, :] < context_len[:, None]  # [G, S]
-        q_off = torch.arange(g.token_idx.shape[1], device=q.device)
-        causal_new = (q_off[None, :, None] >= q_off[None, None, :]) & g.token_valid[:, None, :]  # [G, Q, Q]
-        mask = torch.cat((in_context[:, None, :].expand(-1, q_off.shape[0], -1), causal_new), dim=-1)
         keys = torch.cat((gather_rows(k_flat, g.kv_slots).to(q.dtype), gather_rows(k_new, g.token_idx)), dim=1)
         values = torch.cat((gather_rows(v_flat, g.kv_slots).to(q.dtype), gather_rows(v_new, g.token_idx)), dim=1)
-        og = grouped_sdpa(q[g.token_idx], keys, values, mask.unsqueeze(1), scale)  # [G, Q, Hq, Dv]
+        og = grouped_sdpa(q[g.token_idx], keys, values, _mask(g, meta), scale)  # [G, Q, Hq, Dv]
         out[g.token_idx[g.token_valid]] = og[g.token_valid]
     return out
 
@@ -76,12 +82,21 @@ class ContiguousMLABackend(AttentionBackend):
     @staticmethod
     def forward_mla(q_nope: torch.Tensor, q_pe: torch.Tensor, entries: torch.Tensor, kv_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, up: MLAUpProjection) -> torch.Tensor:
-        # absorbed everywhere: q [T, H, L + R]; entries: [T, L + R] new latents whose first L are kv_c -> [T, H, v]
+        # entries: [T, L + R] this step's new latents -> [T, H, v]; short rows absorbed, prompt chunks expanded
         lora = up.w_uk.shape[-1]
         cache_flat = kv_cache.flatten(0, 1)  # [num_slots, L + R]
-        lat = cache_flat.unsqueeze(1)
-        new = entries.unsqueeze(1)
-        o_latent = cached_prefix_plus_new_attention(absorb(q_nope, q_pe, up), new, new[..., :lora], lat,
-                                                    lat[..., :lora], meta, scale)
+        out = q_nope.new_zeros(q_nope.shape[0], q_nope.shape[1], up.w_uv.shape[1])
+        for g in row_groups(meta):
+            latent = torch.cat((gather_rows(cache_flat, g.kv_slots).to(q_nope.dtype),
+                                gather_rows(entries, g.token_idx)), dim=1)  # [G, S + Q, L + R]
+            if g.token_idx.shape[1] <= SHORT_ROW_TOKENS:
+                q = gather_rows(absorb(q_nope, q_pe, up), g.token_idx)  # [G, Q, H, L + R]
+                lat = latent.unsqueeze(2)  # [G, S + Q, 1, L + R]: MQA
+                og = up_project(grouped_sdpa(q, lat, lat[..., :lora], _mask(g, meta), scale).flatten(0, 1), up)
+                og = og.view(*g.token_idx.shape, *og.shape[1:])
+            else:
+                og = expanded_attention(gather_rows(q_nope, g.token_idx), gather_rows(q_pe, g.token_idx), latent,
+                                        _mask(g, meta), scale, up)
+            out[g.token_idx[g.token_valid]] = og[g.token_valid]
         write_kv(cache_flat, entries, meta)
-        return up_project(o_latent, up)
+        return out

@@ -236,3 +236,16 @@ def test_cli_summary_reports_acceptance(tiny_checkpoints, capsys):
                    "float32", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
     out = capsys.readouterr().out
     assert rc == 0 and "=== speculative decoding: acceptance rate" in out and "mean acceptance length" in out
+
+
+def test_mtp_layers_cost_no_kv_cache_without_mtp_drafting(tiny_checkpoints):
+    """A checkpoint's MTP layers are dropped when nothing drafts with them, so the same KV budget holds more
+    blocks; with MTP drafting their caches count."""
+    path = str(tiny_checkpoints("deepseek_v3", num_mtp_layers=1))
+    plain = LLM(path, dtype="float32", kv_cache_memory_bytes=1 << 22)
+    drafting = LLM(path, dtype="float32", kv_cache_memory_bytes=1 << 22,
+                   speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    assert plain.engine.executor.runner.model.mtp is None
+    # 3 trunk layers vs 3 + 1 MTP layer, same per-layer latent cache
+    assert plain.engine.executor.num_kv_blocks * 3 == pytest.approx(drafting.engine.executor.num_kv_blocks * 4,
+                                                                    rel=0.01)

@@ -28,6 +28,9 @@ class ModelRunner:
         self.device = config.device
         self.block_size = config.cache_config.block_size
         self.model = build_model(config.model_config, groups, self.device)
+        if config.speculative_config.method != "mtp" and getattr(self.model, "mtp", None) is not None:
+            # MTP layers only ever draft: without MTP drafting their weights and their KV cache are dead weight
+            self.model.mtp = None
         self.backends = select_target_backends(config)
         self.pcp = PCPHooks(groups.pcp, self.block_size)
         spec = config.speculative_config

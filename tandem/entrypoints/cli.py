@@ -1,4 +1,4 @@
-"""`tandem` command line: generate, eval gsm8k, convert-gguf; serve and bench arrive with their issue."""
+"""`tandem` command line: generate, serve, eval gsm8k, convert-gguf."""
 
 from __future__ import annotations
 
@@ -52,6 +52,22 @@ def _eval_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--output-json", default=None, help="also write the results as JSON to this file")
     EngineArgs.add_cli_args(g)
     g.set_defaults(seed=42)
+
+
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    p.add_argument("model", nargs="?", default=None, help="local model folder (default: the bundled model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: folder name)")
+    EngineArgs.add_cli_args(p)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from tandem.entrypoints.openai.api_server import run_server
+
+    run_server(EngineArgs.from_cli_args(args), args.host, args.port, args.served_model_name)
+    return 0
 
 
 def run_eval(args: argparse.Namespace) -> int:
@@ -126,9 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     _generate_parser(sub)
     _convert_parser(sub)
     _eval_parser(sub)
+    _serve_parser(sub)
     args = parser.parse_args(argv)
     try:
-        return {"generate": run_generate, "convert-gguf": run_convert, "eval": run_eval}[args.command](args)
+        commands = {"generate": run_generate, "convert-gguf": run_convert, "eval": run_eval, "serve": run_serve}
+        return commands[args.command](args)
     except (ConfigError, ValueError) as e:
         print(f"tandem {args.command}: error: {e}", file=sys.stderr)
         return 2

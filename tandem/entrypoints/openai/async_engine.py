@@ -1,0 +1,131 @@
+"""The engine loop beside the event loop: one thread owns the LLMEngine and steps it; HTTP handlers submit
+requests and read per-request streams of token deltas. Scope: threading and delivery, no HTTP.
+
+Submissions and aborts go through a queue the engine thread drains between steps, so the engine is only ever
+touched from its own thread. After every step each live request's new tokens are pushed to its asyncio queue
+with `loop.call_soon_threadsafe`; the final RequestOutput closes the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.engine.llm_engine import LLMEngine
+from tandem.engine.metrics import Metric
+from tandem.entrypoints.engine_args import EngineArgs
+from tandem.outputs import RequestOutput
+from tandem.sampling_params import SamplingParams
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue[Delta]
+    tokens: list[int]  # the request's output_token_ids (the engine appends to it)
+    sent: int = 0
+
+
+@dataclass
+class Delta:
+    token_ids: list[int]  # new tokens since the previous delta
+    final: RequestOutput | None = None  # set on the last delta
+
+
+class AsyncEngine:
+    def __init__(self, args: EngineArgs):
+        self.engine = LLMEngine(args.create_engine_config())
+        self.tokenizer = self.engine.tokenizer
+        self.max_model_len = self.engine.config.model_config.max_model_len
+        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self._metrics: list[Metric] = self.engine.get_metrics()
+        self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
+        self._thread.start()
+
+    # -- called from the event loop ------------------------------------------------------------------------
+    async def generate(self, prompt: str | list[int], params: SamplingParams) -> AsyncIterator[Delta]:
+        """Deltas of one request; cancelling the iteration (a client that went away) aborts the request."""
+        if self.error is not None:
+            raise RuntimeError(f"the engine stopped: {self.error}")
+        request_id = f"req-{next(self._ids)}"
+        out: asyncio.Queue[Delta] = asyncio.Queue()
+        self._inbox.put(("add", (request_id, prompt, params, asyncio.get_running_loop(), out)))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                delta = await out.get()
+                yield delta
+                if delta.final is not None:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self._inbox.put(("abort", request_id))
+                self._wake.set()
+
+    def metrics(self) -> list[Metric]:
+        return self._metrics  # refreshed by the engine thread after every step
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=30)
+        self.engine.shutdown()
+
+    # -- the engine thread -------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_inbox()
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait(timeout=0.1)
+                    self._wake.clear()
+                    continue
+                finished = {o.request_id: o for o in self.engine.step()}
+                self._publish(finished)
+                self._metrics = self.engine.get_metrics()
+        except BaseException as e:  # a dead rank or a bug: fail every open stream instead of hanging it
+            self.error = e
+            for request_id, st in list(self._streams.items()):
+                failed = RequestOutput(request_id, None, [], [], finished=True, error=f"the engine stopped: {e}")
+                st.loop.call_soon_threadsafe(st.out.put_nowait, Delta([], failed))
+            self._streams.clear()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                request_id, prompt, params, loop, out = payload
+                added = self.engine.add_request(prompt, params, request_id)
+                if isinstance(added, RequestOutput):  # rejected at once (e.g. too long)
+                    loop.call_soon_threadsafe(out.put_nowait, Delta([], added))
+                else:
+                    self._streams[request_id] = _Stream(loop, out, added.output_token_ids)
+            elif kind == "abort" and payload in self._streams:
+                del self._streams[payload]
+                self.engine.abort_request(payload)
+        # aborted requests free their blocks in the scheduler at once
+
+    def _publish(self, finished: dict[str, RequestOutput]) -> None:
+        for request_id, st in list(self._streams.items()):
+            final = finished.get(request_id)
+            token_ids = list(final.outputs[0].token_ids) if final is not None else list(st.tokens)
+            if len(token_ids) > st.sent or final is not None:
+                st.loop.call_soon_threadsafe(st.out.put_nowait, Delta(token_ids[st.sent:], final))
+                st.sent = len(token_ids)
+            if final is not None:
+                del self._streams[request_id]

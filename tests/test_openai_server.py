@@ -1,0 +1,146 @@
+"""`tandem serve` with the official `openai` client: completions and chat completions, streamed and not; streamed
+greedy text equals the non-streamed result; /v1/models, /health, Prometheus /metrics (parsed with
+prometheus_client, spec-decode counters as `llm.get_metrics()` defines them); OpenAI-style 400s that leave the
+server serving. The server runs in this process (uvicorn in a thread) on a free loopback port."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tandem.entrypoints.engine_args import EngineArgs
+from tandem.entrypoints.openai.api_server import build_app
+from tandem.entrypoints.openai.async_engine import AsyncEngine
+
+NAME = "tiny-dsv3"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoints):
+    import uvicorn
+
+    path = str(tiny_checkpoints("deepseek_v3", num_mtp_layers=1))
+    engine = AsyncEngine(EngineArgs(model=path, dtype="float32",
+                                    speculative_config={"method": "mtp", "num_speculative_tokens": 2}))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(build_app(engine, NAME, path), host="127.0.0.1", port=port,
+                                        log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(100):
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1)
+            break
+        except OSError:
+            time.sleep(0.1)
+    yield url, engine
+    srv.should_exit = True
+    thread.join(timeout=10)
+    engine.shutdown()
+
+
+def _client(url: str):
+    import openai
+
+    return openai.OpenAI(base_url=url + "/v1", api_key="none")
+
+
+def test_completions_streamed_and_not(server):
+    url, _ = server
+    client = _client(url)
+    full = client.completions.create(model=NAME, prompt="The quick brown fox", max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 12
+    parts, usage = [], None
+    for event in client.completions.create(model=NAME, prompt="The quick brown fox", max_tokens=12, temperature=0,
+                                           stream=True, stream_options={"include_usage": True},
+                                           extra_body={"ignore_eos": True}):
+        if event.choices:
+            parts.append(event.choices[0].text)
+        if event.usage is not None:
+            usage = event.usage
+    assert "".join(parts) == full.choices[0].text
+    assert usage is not None and usage.completion_tokens == 12
+
+
+def test_chat_completions_streamed_and_not(server):
+    url, _ = server
+    client = _client(url)
+    messages = [{"role": "user", "content": "Hello world! How are you today?"}]
+    full = client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0)
+    assert full.choices[0].message.role == "assistant"
+    streamed = "".join(e.choices[0].delta.content or "" for e in client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=10, temperature=0, stream=True) if e.choices)
+    assert streamed == full.choices[0].message.content
+
+
+def test_concurrent_streams_match_and_free_the_cache(server):
+    url, engine = server
+    client = _client(url)
+    prompts = [f"Once upon a time {i}" for i in range(12)]
+    expect = [client.completions.create(model=NAME, prompt=p, max_tokens=8, temperature=0).choices[0].text
+              for p in prompts]
+    got: dict[int, str] = {}
+
+    def stream(i: int) -> None:
+        got[i] = "".join(e.choices[0].text for e in client.completions.create(
+            model=NAME, prompt=prompts[i], max_tokens=8, temperature=0, stream=True) if e.choices)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert [got[i] for i in range(len(prompts))] == expect
+    time.sleep(0.3)  # the engine thread refreshes the metrics after its last step
+    usage = {m.name: getattr(m, "value", None) for m in engine.metrics()}["tandem:kv_cache_usage_perc"]
+    assert usage == 0.0
+
+
+def test_models_health_and_metrics(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url, engine = server
+    models = json.loads(urllib.request.urlopen(url + "/v1/models").read())
+    assert [m["id"] for m in models["data"]] == [NAME]
+    assert urllib.request.urlopen(url + "/health").status == 200
+    text = urllib.request.urlopen(url + "/metrics").read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    ours = {m.name: getattr(m, "value", None) for m in engine.metrics()}
+    drafts = families["tandem:spec_decode_num_drafts"].samples[0].value
+    assert drafts == ours["tandem:spec_decode_num_drafts"] > 0
+    accepted = families["tandem:spec_decode_num_accepted_tokens"].samples[0].value
+    proposed = families["tandem:spec_decode_num_draft_tokens"].samples[0].value
+    rate = families["tandem:spec_decode_acceptance_rate"].samples[0].value
+    assert rate == pytest.approx(accepted / proposed)
+    assert families["tandem:spec_decode_mean_acceptance_length"].samples[0].value == pytest.approx(
+        1 + accepted / drafts)
+    assert families["tandem:spec_decode_draft_mode_info"].samples[0].labels["mode"] == "sharded"
+
+
+@pytest.mark.parametrize("body,match", [
+    (b"{not json", "invalid request"),
+    (json.dumps({"model": "gpt-9", "prompt": "hi"}).encode(), "model 'gpt-9' does not exist"),
+    (json.dumps({"model": NAME, "prompt": "hi", "max_tokens": 0}).encode(), "max_tokens=0"),
+    (json.dumps({"model": NAME, "prompt": "hi", "temperature": -1}).encode(), "temperature"),
+    (json.dumps({"model": NAME, "prompt": list(range(3, 600))}).encode(), "max_model_len"),
+])
+def test_bad_requests_get_400_and_the_server_keeps_serving(server, body, match):
+    url, _ = server
+    req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req)
+    assert err.value.code == 400
+    message = json.loads(err.value.read())["error"]["message"]
+    assert match in message, message
+    ok = _client(url).completions.create(model=NAME, prompt="still here", max_tokens=2, temperature=0)
+    assert ok.choices[0].text is not None

@@ -144,3 +144,71 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(server, body, match):
     assert match in message, message
     ok = _client(url).completions.create(model=NAME, prompt="still here", max_tokens=2, temperature=0)
     assert ok.choices[0].text is not None
+
+
+def test_256_concurrent_streams_complete_and_equal_non_streamed(server):
+    """Every one of 256 concurrent streaming greedy requests completes with the text the non-streamed
+    request gives; afterwards nothing runs and the KV cache is empty."""
+    import asyncio
+
+    import openai
+
+    url, engine = server
+    prompts = [f"Count {i % 16}: one two" for i in range(256)]
+    sync = _client(url)
+    expect = {p: sync.completions.create(model=NAME, prompt=p, max_tokens=6, temperature=0).choices[0].text
+              for p in sorted(set(prompts))}
+
+    async def run() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+        async def one(prompt: str) -> str:
+            parts = []
+            async for e in await client.completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=0,
+                                                           stream=True):
+                parts += [c.text for c in e.choices]
+            return "".join(parts)
+
+        try:
+            return await asyncio.gather(*(one(p) for p in prompts))
+        finally:
+            await client.close()
+
+    got = asyncio.run(run())
+    assert got == [expect[p] for p in prompts]
+    _assert_idle(engine)
+
+
+def test_clients_that_disconnect_mid_stream_free_their_blocks(server):
+    """32 clients read the first chunk of a long stream and hang up: their requests are aborted, their KV
+    blocks freed, and the server goes on serving."""
+    import http.client
+
+    url, engine = server
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"model": NAME, "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0,
+                       "ignore_eos": True, "stream": True})
+    conns = []
+    for _ in range(32):
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.readline().startswith(b"data: ")
+        conns.append(conn)
+    for conn in conns:
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+    _assert_idle(engine)
+    ok = _client(url).completions.create(model=NAME, prompt="still here", max_tokens=2, temperature=0)
+    assert ok.usage.completion_tokens >= 1
+
+
+def _assert_idle(engine: AsyncEngine, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        m = {x.name: getattr(x, "value", None) for x in engine.metrics()}
+        if m["tandem:num_requests_running"] == 0 and m["tandem:num_requests_waiting"] == 0 \
+                and m["tandem:kv_cache_usage_perc"] == 0.0:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"engine not idle after {timeout_s} s: {m}")

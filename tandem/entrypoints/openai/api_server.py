@@ -7,6 +7,7 @@ Errors follow OpenAI's shape, `{"error": {"message", "type", "code"}}`, with sta
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -119,13 +120,13 @@ def build_app(engine: AsyncEngine, served_model_name: str, model_path: str) -> F
                              f"{engine.max_model_len}: the prompt plus at least one generated token must fit")
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest) -> Any:
+    async def completions(req: CompletionRequest, raw: Request) -> Any:
         params = params_of(req, req.max_tokens, req.logprobs)
         check_prompt(req.prompt)
-        return await _respond(engine, req, params, req.prompt, served_model_name, chat=False)
+        return await _respond(engine, req, params, req.prompt, served_model_name, chat=False, raw=raw)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest) -> Any:
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Any:
         params = params_of(req, req.max_completion_tokens or req.max_tokens)
         if template_text is None:
             raise BadRequest(f"model {served_model_name!r} has no chat template (tokenizer_config.json "
@@ -135,7 +136,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, model_path: str) -> F
         prompt = jinja2.Template(template_text).render(messages=req.messages, add_generation_prompt=True,
                                                        bos_token="", eos_token="")
         check_prompt(prompt)
-        return await _respond(engine, req, params, prompt, served_model_name, chat=True)
+        return await _respond(engine, req, params, prompt, served_model_name, chat=True, raw=raw)
 
     return app
 
@@ -164,15 +165,28 @@ class _TextStream:
         return new
 
 
+async def _watch_disconnect(raw: Request, engine: AsyncEngine, request_id: str) -> None:
+    """Abort the request as soon as its client hangs up (uvicorn reports http.disconnect on receive)."""
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            engine.abort(request_id)
+            return
+
+
 async def _respond(engine: AsyncEngine, req: _Sampling, params: SamplingParams, prompt: str | list[int],
-                   model: str, chat: bool) -> Any:
+                   model: str, chat: bool, raw: Request) -> Any:
     kind = "chat.completion" if chat else "text_completion"
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
+    watcher = asyncio.create_task(_watch_disconnect(raw, engine, rid))
     if not req.stream:
         final = None
-        async for delta in engine.generate(prompt, params):
-            final = delta.final or final
+        try:
+            async for delta in engine.generate(prompt, params, rid):
+                final = delta.final or final
+        finally:
+            watcher.cancel()
         assert final is not None
         if final.error is not None:
             raise BadRequest(final.error)
@@ -191,9 +205,10 @@ async def _respond(engine: AsyncEngine, req: _Sampling, params: SamplingParams, 
         return {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice], "usage": usage}
 
     include_usage = bool((req.stream_options or {}).get("include_usage"))
-    stream = engine.generate(prompt, params)
+    stream = engine.generate(prompt, params, rid)
     first = await anext(stream)  # a request rejected at once becomes a 400, not a broken stream
     if first.final is not None and first.final.error is not None:
+        watcher.cancel()
         raise BadRequest(first.final.error)
 
     def chunk(text: str | None, finish: str | None, role: bool = False) -> str:
@@ -209,6 +224,14 @@ async def _respond(engine: AsyncEngine, req: _Sampling, params: SamplingParams, 
         return f"data: {json.dumps(body)}\n\n"
 
     async def events() -> AsyncIterator[str]:
+        try:
+            async for event in _events():
+                yield event
+        finally:
+            watcher.cancel()
+            await stream.aclose()  # aborts the request if it has not finished
+
+    async def _events() -> AsyncIterator[str]:
         text = _TextStream(engine, params)
         if chat:
             yield chunk(None, None, role=True)

@@ -53,11 +53,12 @@ class AsyncEngine:
         self._thread.start()
 
     # -- called from the event loop ------------------------------------------------------------------------
-    async def generate(self, prompt: str | list[int], params: SamplingParams) -> AsyncIterator[Delta]:
-        """Deltas of one request; cancelling the iteration (a client that went away) aborts the request."""
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[Delta]:
+        """Deltas of one request; closing or cancelling the iteration (a client that went away) aborts it."""
         if self.error is not None:
             raise RuntimeError(f"the engine stopped: {self.error}")
-        request_id = f"req-{next(self._ids)}"
+        request_id = request_id or f"req-{next(self._ids)}"
         out: asyncio.Queue[Delta] = asyncio.Queue()
         self._inbox.put(("add", (request_id, prompt, params, asyncio.get_running_loop(), out)))
         self._wake.set()
@@ -71,8 +72,12 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                self._inbox.put(("abort", request_id))
-                self._wake.set()
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its KV blocks (a no-op once it has finished)."""
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
 
     def metrics(self) -> list[Metric]:
         return self._metrics  # refreshed by the engine thread after every step
@@ -87,7 +92,8 @@ class AsyncEngine:
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                self._drain_inbox()
+                if self._drain_inbox():
+                    self._metrics = self.engine.get_metrics()  # aborts change running/waiting and KV usage
                 if not self.engine.has_unfinished_requests():
                     self._wake.wait(timeout=0.1)
                     self._wake.clear()
@@ -102,12 +108,15 @@ class AsyncEngine:
                 st.loop.call_soon_threadsafe(st.out.put_nowait, Delta([], failed))
             self._streams.clear()
 
-    def _drain_inbox(self) -> None:
+    def _drain_inbox(self) -> bool:
+        """Apply queued submissions and aborts; True when there were any."""
+        drained = False
         while True:
             try:
                 kind, payload = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return drained
+            drained = True
             if kind == "add":
                 request_id, prompt, params, loop, out = payload
                 added = self.engine.add_request(prompt, params, request_id)
@@ -117,8 +126,7 @@ class AsyncEngine:
                     self._streams[request_id] = _Stream(loop, out, added.output_token_ids)
             elif kind == "abort" and payload in self._streams:
                 del self._streams[payload]
-                self.engine.abort_request(payload)
-        # aborted requests free their blocks in the scheduler at once
+                self.engine.abort_request(payload)  # frees its KV blocks at once
 
     def _publish(self, finished: dict[str, RequestOutput]) -> None:
         for request_id, st in list(self._streams.items()):

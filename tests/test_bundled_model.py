@@ -112,3 +112,16 @@ def test_acceptance_aligns_across_pcp_draft_modes_and_padding():
     assert length0 > 1.5, figures  # a trained head: drafts are accepted
     for name, (rate, length) in figures.items():
         assert abs(rate - rate0) <= 0.001 and abs(length - length0) <= 0.003, (name, figures)
+
+
+def test_chat_template_renders_the_trained_layout():
+    import jinja2
+
+    from tandem.data.gsm8k import Problem, few_shot_prompt
+
+    template = json.loads((DEFAULT_MODEL / "tokenizer_config.json").read_text())["chat_template"]
+    shot = Problem("1+1?", "1+1 = <<1+1=2>>2\n#### 2")
+    messages = [{"role": "user", "content": shot.question}, {"role": "assistant", "content": shot.answer},
+                {"role": "user", "content": "2+2?"}]
+    rendered = jinja2.Template(template).render(messages=messages, add_generation_prompt=True)
+    assert rendered == few_shot_prompt([shot], "2+2?")

@@ -125,6 +125,11 @@ def test_models_health_and_metrics(server):
     assert families["tandem:spec_decode_mean_acceptance_length"].samples[0].value == pytest.approx(
         1 + accepted / drafts)
     assert families["tandem:spec_decode_draft_mode_info"].samples[0].labels["mode"] == "sharded"
+    for name in ("tandem:time_to_first_token_seconds", "tandem:e2e_request_latency_seconds",
+                 "tandem:time_per_output_token_seconds"):
+        samples = {s.name: s for s in families[name].samples if not s.name.endswith("_bucket")}
+        assert families[name].type == "histogram" and samples[name + "_count"].value > 0, name
+    assert families["tandem:request_success"].samples[0].value >= 1
 
 
 @pytest.mark.parametrize("body,match", [

@@ -10,6 +10,11 @@ from typing import Any
 from tandem.data.gsm8k import Problem, format_example
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+# Chat turns in the layout the model was trained on: a user turn is a question, an assistant turn its answer.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}Question: {{ m['content'] }}\nAnswer:"
+    "{% elif m['role'] == 'assistant' %} {{ m['content'] }}\n\n{% endif %}{% endfor %}"
+)
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
 
 
@@ -40,7 +45,7 @@ def train_tokenizer(out: Path, corpus: list[Problem], vocab_size: int = 2048) ->
     tok.save(str(out / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS, "pad_token": PAD,
               "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
-              "model_max_length": 4096}
+              "model_max_length": 4096, "chat_template": CHAT_TEMPLATE}
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "special_tokens_map.json").write_text(json.dumps({"bos_token": BOS, "eos_token": EOS, "pad_token": PAD},
                                                             indent=2) + "\n")

@@ -95,7 +95,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, model_path: str) -> F
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(render_metrics(engine.metrics(), engine.engine.draft_mode.mode),
+        histograms = [engine.ttft, engine.tpot, engine.e2e]
+        return PlainTextResponse(render_metrics(engine.metrics(), engine.engine.draft_mode.mode, histograms),
                                  media_type="text/plain; version=0.0.4")
 
     def params_of(req: _Sampling, max_tokens: int | None, logprobs: int | None = None) -> SamplingParams:

@@ -12,6 +12,7 @@ import asyncio
 import itertools
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.metrics import Metric
 from tandem.entrypoints.engine_args import EngineArgs
+from tandem.entrypoints.openai.prometheus import Histogram
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 
@@ -49,6 +51,10 @@ class AsyncEngine:
         self._stop = threading.Event()
         self.error: BaseException | None = None
         self._metrics: list[Metric] = self.engine.get_metrics()
+        # request latencies, observed on the event loop as the deltas arrive
+        self.ttft = Histogram("tandem:time_to_first_token_seconds")
+        self.tpot = Histogram("tandem:time_per_output_token_seconds")
+        self.e2e = Histogram("tandem:e2e_request_latency_seconds")
         self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
         self._thread.start()
 
@@ -63,9 +69,19 @@ class AsyncEngine:
         self._inbox.put(("add", (request_id, prompt, params, asyncio.get_running_loop(), out)))
         self._wake.set()
         finished = False
+        start, first = time.monotonic(), None
         try:
             while True:
                 delta = await out.get()
+                now = time.monotonic()
+                if first is None and delta.token_ids:
+                    first = now
+                    self.ttft.observe(now - start)
+                if delta.final is not None and delta.final.error is None and first is not None:
+                    self.e2e.observe(now - start)
+                    num_out = len(delta.final.outputs[0].token_ids)
+                    if num_out > 1:
+                        self.tpot.observe((now - first) / (num_out - 1))
                 yield delta
                 if delta.final is not None:
                     finished = True

@@ -217,3 +217,16 @@ def _assert_idle(engine: AsyncEngine, timeout_s: float = 60.0) -> None:
             return
         time.sleep(0.2)
     raise AssertionError(f"engine not idle after {timeout_s} s: {m}")
+
+
+def test_bench_serve_measures_a_server_and_a_peer(server, capsys, tmp_path):
+    from tandem.entrypoints import cli
+
+    url, _ = server
+    code = cli.main(["bench", "serve", "--url", url, "--vs", url, "--num-prompts", "8", "--concurrency", "4",
+                     "--max-tokens", "6", "--output-json", str(tmp_path / "b.json")])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "| server | req/s | output tok/s | TTFT p50 / p90 / p99 ms" in out and "x" in out.splitlines()[-1]
+    rows = json.loads((tmp_path / "b.json").read_text())
+    assert len(rows) == 2 and all(r["output_tokens"] == 8 * 6 and r["ttft_s"]["p50"] > 0 for r in rows)

@@ -1,4 +1,4 @@
-"""`tandem` command line: generate, serve, eval gsm8k, convert-gguf."""
+"""`tandem` command line: generate, serve, bench serve, eval gsm8k, convert-gguf."""
 
 from __future__ import annotations
 
@@ -61,6 +61,39 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: folder name)")
     EngineArgs.add_cli_args(p)
+
+
+def _bench_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmark a server")
+    kind = p.add_subparsers(dest="bench", required=True)
+    s = kind.add_parser("serve", help="streamed load on an OpenAI-compatible server (and a peer: --vs URL)")
+    s.add_argument("--url", required=True, help="base URL of the server, e.g. http://127.0.0.1:8000")
+    s.add_argument("--vs", default=None, help="a peer server's base URL, run on the same prompts right after")
+    s.add_argument("--model", default=None, help="model id to send (default: none, the server's only model)")
+    s.add_argument("--concurrency", type=int, default=32)
+    s.add_argument("--num-prompts", type=int, default=128)
+    s.add_argument("--max-tokens", type=int, default=64)
+    s.add_argument("--output-json", default=None)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from tandem.bench import serve
+
+    if args.vs == "hf":
+        print("tandem bench serve: --vs hf is not implemented yet (no Hugging Face peer server); "
+              "pass --vs URL of another OpenAI-compatible server", file=sys.stderr)
+        return 2
+    for name in ("concurrency", "num_prompts", "max_tokens"):
+        if getattr(args, name) < 1:
+            print(f"tandem bench serve: --{name.replace('_', '-')} must be at least 1", file=sys.stderr)
+            return 2
+    prompts = serve.bench_prompts(args.num_prompts)
+    results = [serve.run_bench(url, args.model, prompts, args.concurrency, args.max_tokens)
+               for url in [args.url] + ([args.vs] if args.vs else [])]
+    print(serve.report(results))
+    if args.output_json:
+        Path(args.output_json).write_text(serve.results_json(results) + "\n")
+    return 0
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -143,9 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     _convert_parser(sub)
     _eval_parser(sub)
     _serve_parser(sub)
+    _bench_parser(sub)
     args = parser.parse_args(argv)
     try:
-        commands = {"generate": run_generate, "convert-gguf": run_convert, "eval": run_eval, "serve": run_serve}
+        commands = {"generate": run_generate, "convert-gguf": run_convert, "eval": run_eval, "serve": run_serve,
+                    "bench": run_bench}
         return commands[args.command](args)
     except (ConfigError, ValueError) as e:
         print(f"tandem {args.command}: error: {e}", file=sys.stderr)

@@ -49,12 +49,9 @@ def _reference(path: Path, sampling: str, spec_key: str) -> list[list[int]]:
 
 
 ALL_SAMPLING_K = [("greedy", "fixed"), ("greedy", "dynamic"), ("probabilistic", "fixed"), ("probabilistic", "dynamic")]
-# PCP=2: the whole matrix in both execution modes. PCP=4 (4 processes on 2 cores, so slower): every sampling x K
-# pair once, alternating eager and padded, so each of the four meets both draft modes across the two archs.
-CASES = ([(2, graph, mode, sampling, k) for graph in ("eager", "piecewise") for mode in ("sharded", "replicated")
-          for sampling, k in ALL_SAMPLING_K]
-         + [(4, ("eager", "piecewise")[i % 2], ("sharded", "replicated")[i // 2], sampling, k)
-            for i, (sampling, k) in enumerate(ALL_SAMPLING_K)])
+# The whole matrix: PCP in {2, 4} x {eager, PIECEWISE} x {sharded, replicated} x sampling x K.
+CASES = [(pcp, graph, mode, sampling, k) for pcp in (2, 4) for graph in ("eager", "piecewise")
+         for mode in ("sharded", "replicated") for sampling, k in ALL_SAMPLING_K]
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])

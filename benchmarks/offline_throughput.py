@@ -10,15 +10,16 @@ so load from other processes hits both; the best run of each is reported.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # pcp_prefill's machine_info
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / ".cache" / "smollm2-135m-instruct"
@@ -109,17 +110,9 @@ def timed(name: str, fn: Callable[[list[list[int]], int], list[list[int]]], prom
 
 
 def machine_info(threads: int) -> dict[str, object]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "num_cores": os.cpu_count(), "torch_threads": threads, "torch": torch.__version__,
-            "load_avg_1m_at_start": os.getloadavg()[0],
-            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")}
+    from pcp_prefill import machine_info as common
+
+    return {**common(), "torch_threads": threads}
 
 
 def main() -> None:

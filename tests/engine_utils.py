@@ -42,3 +42,17 @@ def tandem_last_logits(llm: LLM, token_ids: list[int], chunk: int = 16) -> torch
 
 def metric(llm: LLM, name: str) -> float:
     return {m.name: m for m in llm.get_metrics()}[name].value  # type: ignore[union-attr]
+
+
+def record_steps(llm: LLM, monkeypatch) -> list[tuple]:
+    """Wrap the engine's executor so every (StepPlan, StepOutput) it runs is appended to the returned list."""
+    steps: list[tuple] = []
+    execute = llm.engine.executor.execute
+
+    def recording_execute(plan):
+        out = execute(plan)
+        steps.append((plan, out))
+        return out
+
+    monkeypatch.setattr(llm.engine.executor, "execute", recording_execute)
+    return steps

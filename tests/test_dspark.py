@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dspark_checkpoint import build_dspark_drafter
-from engine_utils import random_prompts
+from engine_utils import random_prompts, record_steps
 from hf_oracle import load_hf_model
 from safetensors.torch import load_file
 
@@ -140,15 +140,7 @@ def test_dspark_drafts_equal_plain_recomputation_every_step(pair, arch, monkeypa
     target, drafter = pair(arch)
     prompts = _prompts()[:4]
     llm = LLM(str(target), **ENGINE, speculative_config=_dspark(drafter, BLOCK))
-    steps = []
-    execute = llm.engine.executor.execute
-
-    def recording_execute(plan):
-        out = execute(plan)
-        steps.append((plan, out))
-        return out
-
-    monkeypatch.setattr(llm.engine.executor, "execute", recording_execute)
+    steps = record_steps(llm, monkeypatch)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=8,
                         ignore_eos=True), use_tqdm=False)
     full = {o.request_id: o.prompt_token_ids + o.outputs[0].token_ids for o in outs}

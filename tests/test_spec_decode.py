@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_utils import random_prompts
+from engine_utils import random_prompts, record_steps
 from hf_oracle import load_hf_model
 from safetensors import safe_open
 
@@ -112,15 +112,7 @@ def test_mtp_drafts_equal_plain_recomputation_every_step(tiny_checkpoints, arch,
     # 44 and 63 tokens exceed the 32-token budget: steps that only prefill must keep the MTP cache current
     prompts = [_prompts()[i] for i in (0, 1, 9, 12)]
     llm = LLM(str(path), **ENGINE, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
-    steps = []
-    execute = llm.engine.executor.execute
-
-    def recording_execute(plan):
-        out = execute(plan)
-        steps.append((plan, out))
-        return out
-
-    monkeypatch.setattr(llm.engine.executor, "execute", recording_execute)
+    steps = record_steps(llm, monkeypatch)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=8,
                         ignore_eos=True), use_tqdm=False)
     full = {o.request_id: o.prompt_token_ids + o.outputs[0].token_ids for o in outs}

@@ -14,19 +14,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tandem.attention.metadata import PrefixGroup
+from tandem.attention.metadata import PrefixGroup, gather_rows
 
 
 @dataclass(frozen=True)
 class MLAUpProjection:
     w_uk: torch.Tensor  # [H, nope, L]
     w_uv: torch.Tensor  # [H, v, L]
-
-
-def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    # x[idx] for a 2-D index via index_select (see attention/backends/prefix.py); kept here so this module
-    # does not import the backends package, which imports it
-    return x.index_select(0, idx.flatten()).view(*idx.shape, *x.shape[1:])
 
 
 def absorb(q_nope: torch.Tensor, q_pe: torch.Tensor, up: MLAUpProjection) -> torch.Tensor:

@@ -27,3 +27,12 @@ def sample_draft(logits: torch.Tensor, meta: SamplingMetadata | None, positions:
                         probs)
     noise = -torch.log(keyed_uniform(meta.seeds, positions, logits.shape[-1], stream=DRAFT_STREAM))
     return (probs.double() / noise).argmax(dim=-1), probs
+
+
+def pack_drafts(drafts: list[torch.Tensor], probs: list[torch.Tensor | None], probabilistic: bool
+                ) -> tuple[list[list[int]], list[torch.Tensor] | None]:
+    """K steps of [S] drafts (and [S, V] distributions) -> per row its K drafts, and its [K, V] distributions."""
+    per_row = torch.stack(drafts, dim=1).tolist()  # [S, K]
+    if not probabilistic:
+        return per_row, None
+    return per_row, list(torch.stack(probs, dim=1).unbind(0))  # type: ignore[arg-type]  # S x [K, V]

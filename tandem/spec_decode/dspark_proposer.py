@@ -21,7 +21,7 @@ from torch import nn
 
 from tandem.engine.step_plan import StepPlan
 from tandem.models.dspark import ContextPrefix, DSparkDrafter
-from tandem.spec_decode.draft_sampling import sample_draft
+from tandem.spec_decode.draft_sampling import pack_drafts, sample_draft
 from tandem.worker.input_batch import InputBatch
 
 
@@ -88,10 +88,7 @@ class DSparkProposer:
                                    self.probabilistic)
             drafts.append(prev)
             probs.append(q)
-        per_row = torch.stack(drafts, dim=1).tolist()  # [S, K]
-        if not self.probabilistic:
-            return per_row, None
-        return per_row, list(torch.stack(probs, dim=1).unbind(0))  # S x [K, V]
+        return pack_drafts(drafts, probs, self.probabilistic)
 
     def _record_confidence(self, confidence: torch.Tensor) -> None:
         self.last_confidence = confidence  # [S, K]

@@ -26,7 +26,7 @@ from tandem.attention.forward_context import forward_context
 from tandem.attention.metadata import PAD_SLOT_ID, AttentionMetadata, build_attention_metadata
 from tandem.engine.step_plan import StepPlan
 from tandem.models.mtp import DeepSeekMTP
-from tandem.spec_decode.draft_sampling import sample_draft
+from tandem.spec_decode.draft_sampling import pack_drafts, sample_draft
 from tandem.worker.input_batch import InputBatch, global_attention_metadata
 from tandem.worker.pcp_hooks import LocalBatch, PCPHooks
 
@@ -82,10 +82,7 @@ class MTPProposer:
                                          self.probabilistic)
             drafts.append(tokens)
             draft_probs.append(probs)
-        per_row = torch.stack(drafts, dim=1).tolist()  # [S, K]
-        if not self.probabilistic:
-            return per_row, None
-        return per_row, list(torch.stack(draft_probs, dim=1).unbind(0))  # S x [K, V]
+        return pack_drafts(drafts, draft_probs, self.probabilistic)
 
     def _pad_decode(self, ids: torch.Tensor, positions: torch.Tensor, feedback: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -123,7 +123,9 @@ class ModelRunner:
         """DSpark's context K/V covers every target token, so it is written on every step, sampling or not."""
         if isinstance(self.proposer, DSparkProposer):
             aux = self.pcp.maybe_restore(self.proposer.take_aux_hidden())  # [T_global, n_layers * hidden]
-            self.proposer.write_context(batch, aux.masked_fill(batch.is_padding[:, None], 0))
+            if batch.num_padding:
+                aux = aux.masked_fill(batch.is_padding[:, None], 0)
+            self.proposer.write_context(batch, aux)
 
     def _verify_or_sample(self, plan: StepPlan, batch: InputBatch,
                           hidden: torch.Tensor) -> tuple[list[list[int]], list[list[dict[int, float]] | None]]:

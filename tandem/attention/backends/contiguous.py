@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from tandem.attention.backend import AttentionBackend, register_backend
-from tandem.attention.backends.prefix import gather_rows, grouped_sdpa, write_kv
-from tandem.attention.metadata import SHORT_ROW_TOKENS, AttentionMetadata, PrefixGroup, row_groups
+from tandem.attention.backends.prefix import grouped_sdpa, write_kv
+from tandem.attention.metadata import SHORT_ROW_TOKENS, AttentionMetadata, PrefixGroup, gather_rows, row_groups
 from tandem.attention.mla import MLAUpProjection, absorb, expanded_attention, up_project
 
 

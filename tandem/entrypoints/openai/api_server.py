@@ -91,7 +91,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, model_path: str) -> F
     @app.get("/v1/models")
     async def models() -> Any:
         return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": 0,
-                                            "owned_by": "tandem", "max_model_len": engine.max_model_len}]}
+                                            "owned_by": "tandem", "root": model_path,
+                                            "max_model_len": engine.max_model_len}]}
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:

@@ -32,7 +32,7 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         checks = [
-            ("n", self.n == 1, "n must be 1 (parallel sampling is not supported yet)"),
+            ("n", isinstance(self.n, int) and self.n >= 1, "must be a positive integer (choices per prompt)"),
             ("temperature", self.temperature >= 0, "must be >= 0"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("top_k", self.top_k >= 0, "must be -1, 0 (disabled) or a positive integer"),

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from functools import cache
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -10,6 +12,22 @@ from tokenizers import Tokenizer as HFTokenizer
 
 def _read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+@cache
+def _byte_level_chars() -> dict[str, int]:
+    """The inverse of byte-level BPE's printable alphabet (GPT-2's bytes_to_unicode): char -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars, extra = {chr(b): b for b in printable}, 0
+    for b in range(256):
+        if b not in printable:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens
 
 
 class Tokenizer:
@@ -40,3 +58,26 @@ class Tokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for; a token holding part of a UTF-8 character decodes to U+FFFD,
+        so its bytes come from the vocabulary entry instead."""
+        text = self.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return text.encode()
+        piece = self._tok.id_to_token(token_id) or ""
+        if match := _BYTE_FALLBACK.fullmatch(piece):
+            return bytes([int(match.group(1), 16)])
+        chars = _byte_level_chars()
+        if piece and all(c in chars for c in piece):
+            return bytes(chars[c] for c in piece)
+        return text.encode()
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text for logprobs: its text, or OpenAI's `bytes:\\xNN...` for a partial character, so
+        distinct tokens never share a name."""
+        raw = self.token_bytes(token_id)
+        try:
+            return raw.decode()
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)

@@ -98,7 +98,7 @@ def test_too_long_prompt_fails_alone_and_others_finish(tiny_checkpoints):
 @pytest.mark.parametrize("kwargs,field", [
     ({"temperature": -0.5}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
     ({"top_k": -3}, "top_k"), ({"min_p": 2.0}, "min_p"), ({"max_tokens": 0}, "max_tokens"),
-    ({"logprobs": -1}, "logprobs"), ({"stop": [""]}, "stop"), ({"n": 2}, "n"),
+    ({"logprobs": -1}, "logprobs"), ({"stop": [""]}, "stop"), ({"n": 0}, "n"),
     ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
 ])
 def test_invalid_sampling_params_name_the_field(kwargs, field):

@@ -83,6 +83,69 @@ def test_chat_completions_streamed_and_not(server):
     assert streamed == full.choices[0].message.content
 
 
+def test_n_choices_streamed_and_not_follow_seed_plus_index(server):
+    url, _ = server
+    client = _client(url)
+    kw = {"model": NAME, "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 1.0,
+          "extra_body": {"ignore_eos": True}}
+    full = client.completions.create(n=3, seed=5, **kw)
+    assert [c.index for c in full.choices] == [0, 1, 2] and full.usage.completion_tokens == 24
+    for i, choice in enumerate(full.choices):
+        assert choice.text == client.completions.create(seed=5 + i, **kw).choices[0].text, f"choice {i}"
+    streamed: dict[int, str] = {}
+    finish: dict[int, str | None] = {}
+    for event in client.completions.create(n=3, seed=5, stream=True, **kw):
+        for c in event.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+            finish[c.index] = c.finish_reason or finish.get(c.index)
+    assert [streamed[i] for i in range(3)] == [c.text for c in full.choices]
+    assert finish == {0: "length", 1: "length", 2: "length"}
+    messages = [{"role": "user", "content": "Hello there"}]
+    chat = client.chat.completions.create(model=NAME, messages=messages, n=2, seed=9, max_tokens=6,
+                                          temperature=1.0)
+    chat_streamed: dict[int, str] = {}
+    for event in client.chat.completions.create(model=NAME, messages=messages, n=2, seed=9, max_tokens=6,
+                                                temperature=1.0, stream=True):
+        for c in event.choices:
+            chat_streamed[c.index] = chat_streamed.get(c.index, "") + (c.delta.content or "")
+    assert [chat_streamed[i] for i in range(2)] == [c.message.content for c in chat.choices]
+
+
+def test_logprobs_streamed_equal_non_streamed(server):
+    url, _ = server
+    client = _client(url)
+    kw = {"model": NAME, "prompt": "Once upon a time", "max_tokens": 7, "temperature": 0, "logprobs": 2,
+          "extra_body": {"ignore_eos": True}}
+    full = client.completions.create(**kw).choices[0]
+    lp = full.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 7
+    raw = b"".join(bytes.fromhex(t[6:].replace("\\x", "")) if t.startswith("bytes:") else t.encode()
+                   for t in lp.tokens)
+    assert raw.decode(errors="replace") == full.text and lp.text_offset[0] == 0
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert value <= 0 and top[token] == value and value == max(top.values())  # greedy: the most likely
+    tokens, values = [], []
+    for event in client.completions.create(stream=True, **kw):
+        for c in event.choices:
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens
+                values += c.logprobs.token_logprobs
+    assert tokens == lp.tokens and values == pytest.approx(lp.token_logprobs, abs=1e-6)
+
+    messages = [{"role": "user", "content": "Hello world"}]
+    ckw = {"model": NAME, "messages": messages, "max_tokens": 5, "temperature": 0, "logprobs": True,
+           "top_logprobs": 3}
+    chat = client.chat.completions.create(**ckw)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob == e.logprob for e in content)
+    streamed = [e for event in client.chat.completions.create(stream=True, **ckw) for c in event.choices
+                if c.logprobs is not None for e in c.logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    plain = client.chat.completions.create(model=NAME, messages=messages, max_tokens=5, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
 def test_concurrent_streams_match_and_free_the_cache(server):
     url, engine = server
     client = _client(url)
@@ -138,6 +201,8 @@ def test_models_health_and_metrics(server):
     (json.dumps({"model": NAME, "prompt": "hi", "max_tokens": 0}).encode(), "max_tokens=0"),
     (json.dumps({"model": NAME, "prompt": "hi", "temperature": -1}).encode(), "temperature"),
     (json.dumps({"model": NAME, "prompt": list(range(3, 600))}).encode(), "max_model_len"),
+    (json.dumps({"model": NAME, "prompt": "hi", "n": 0}).encode(), "n=0"),
+    (json.dumps({"model": NAME, "prompt": "hi", "logprobs": 21}).encode(), "logprobs=21"),
 ])
 def test_bad_requests_get_400_and_the_server_keeps_serving(server, body, match):
     url, _ = server
@@ -149,6 +214,15 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(server, body, match):
     assert match in message, message
     ok = _client(url).completions.create(model=NAME, prompt="still here", max_tokens=2, temperature=0)
     assert ok.choices[0].text is not None
+
+
+def test_chat_top_logprobs_without_logprobs_is_a_400(server):
+    url, _ = server
+    body = json.dumps({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}).encode()
+    req = urllib.request.Request(url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req)
+    assert err.value.code == 400 and "top_logprobs needs logprobs" in json.loads(err.value.read())["error"]["message"]
 
 
 def test_256_concurrent_streams_complete_and_equal_non_streamed(server):
@@ -230,3 +304,17 @@ def test_bench_serve_measures_a_server_and_a_peer(server, capsys, tmp_path):
     assert "| server | req/s | output tok/s | TTFT p50 / p90 / p99 ms" in out and "x" in out.splitlines()[-1]
     rows = json.loads((tmp_path / "b.json").read_text())
     assert len(rows) == 2 and all(r["output_tokens"] == 8 * 6 and r["ttft_s"]["p50"] > 0 for r in rows)
+
+
+def test_logprob_token_names_are_distinct_and_reassemble_the_text():
+    from tandem.assets import default_model
+    from tandem.tokenizer import Tokenizer
+
+    tok = Tokenizer(str(default_model()))
+    text = "héllo → 世界"
+    ids = tok.encode(text)[1:]  # without BOS
+    names = [tok.token_text(t) for t in ids]
+    assert any(n.startswith("bytes:\\x") for n in names), names  # byte-level pieces of the CJK characters
+    assert b"".join(tok.token_bytes(t) for t in ids).decode() == text
+    partial = [t for t, n in zip(ids, names, strict=True) if n.startswith("bytes:")]
+    assert len({tok.token_text(t) for t in partial}) == len(set(partial)), "two byte tokens share a name"

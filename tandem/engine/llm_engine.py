@@ -10,6 +10,7 @@ import time
 from tandem.attention.backend import select_target_backends
 from tandem.config import ConfigError, EngineConfig
 from tandem.engine.metrics import Counter, EngineStats, Gauge, Metric, Vector
+from tandem.engine.parallel_sampling import ParentRequest, child_id, child_params
 from tandem.engine.request import Request
 from tandem.engine.scheduler import Scheduler
 from tandem.executor.multiproc import MultiprocExecutor
@@ -48,24 +49,38 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, config.model_config, num_blocks,
                                    self.spec)
         self.requests: dict[str, Request] = {}
+        self.parents: dict[str, ParentRequest] = {}  # parallel sampling (n > 1), by the parent's id
+        self._child_of: dict[str, tuple[ParentRequest, int]] = {}  # child id -> (parent, choice index)
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._rng = random.Random(config.model_config.seed)
         self._last_log, self._last_log_tokens = time.monotonic(), 0
 
     def add_request(self, prompt: str | list[int], params: SamplingParams,
-                    request_id: str | None = None) -> Request | RequestOutput:
-        """Queue a request; a request that cannot run comes back at once as a failed RequestOutput."""
+                    request_id: str | None = None) -> Request | ParentRequest | RequestOutput:
+        """Queue a request (n > 1: its n children); a request that cannot run comes back at once as a failed
+        RequestOutput."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         error = self._check_prompt(token_ids)
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
-        req = Request(request_id, token_ids, params, seed, prompt=text)
         if error is not None:
             self.stats.num_requests_failed += 1
             return RequestOutput(request_id, text, token_ids, [CompletionOutput(0, "", [], "error")],
                                  finished=True, error=error)
+        if params.n == 1:
+            return self._add(request_id, token_ids, params, text)
+        children = [self._add(child_id(request_id, i), token_ids, child_params(params, i), text)
+                    for i in range(params.n)]
+        parent = ParentRequest(request_id, text, token_ids, children)
+        self.parents[request_id] = parent
+        for i, child in enumerate(children):
+            self._child_of[child.request_id] = (parent, i)
+        return parent
+
+    def _add(self, request_id: str, token_ids: list[int], params: SamplingParams, text: str | None) -> Request:
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        req = Request(request_id, token_ids, params, seed, prompt=text)
         self.requests[request_id] = req
         self.scheduler.add(req)
         self.stats.num_prompt_tokens += len(token_ids)
@@ -105,8 +120,10 @@ class LLMEngine:
                 if req.finished:
                     break  # tokens after a stop are dropped
             if req.finished:
-                finished.append(self._output(req))
                 del self.requests[req.request_id]
+                done = self._gather(self._output(req))
+                if done is not None:
+                    finished.append(done)
             elif self.spec.method == "ngram":
                 req.spec_token_ids = propose_ngram(req.all_token_ids, self.spec.max_num_speculative_tokens,
                                                    self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
@@ -153,10 +170,27 @@ class LLMEngine:
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished=True,
                              num_cached_tokens=max(req.num_cached_tokens, 0))
 
+    def _gather(self, output: RequestOutput) -> RequestOutput | None:
+        """A finished request's output, or for a child of a parallel-sampling request the parent's gathered
+        output once its last child finishes (None before)."""
+        parent_and_index = self._child_of.pop(output.request_id, None)
+        if parent_and_index is None:
+            return output
+        parent, index = parent_and_index
+        gathered = parent.finish_child(index, output)
+        if gathered is not None:
+            del self.parents[parent.request_id]
+        return gathered
+
     def abort_request(self, request_id: str) -> None:
-        req = self.requests.pop(request_id, None)
-        if req is not None:
-            self.scheduler.finish(req, "abort")
+        """Abort a request (for a parallel-sampling request, all of its unfinished children)."""
+        parent = self.parents.pop(request_id, None)
+        ids = [c.request_id for c in parent.children] if parent is not None else [request_id]
+        for rid in ids:
+            self._child_of.pop(rid, None)
+            req = self.requests.pop(rid, None)
+            if req is not None:
+                self.scheduler.finish(req, "abort")
 
     def _maybe_log_stats(self) -> None:
         now = time.monotonic()

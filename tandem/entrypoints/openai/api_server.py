@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict
 from tandem.entrypoints.engine_args import EngineArgs
 from tandem.entrypoints.openai.async_engine import AsyncEngine
 from tandem.entrypoints.openai.prometheus import render_metrics
+from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 
 
@@ -45,12 +46,17 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int]
-    logprobs: int | None = None
+    logprobs: int | None = None  # top alternatives per token (the sampled token is always included)
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[dict[str, Any]]
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+MAX_LOGPROBS = 20  # as vLLM's default max_logprobs and OpenAI's top_logprobs bound
 
 
 class BadRequest(Exception):
@@ -103,15 +109,17 @@ def build_app(engine: AsyncEngine, served_model_name: str, model_path: str) -> F
     def params_of(req: _Sampling, max_tokens: int | None, logprobs: int | None = None) -> SamplingParams:
         if req.model is not None and req.model != served_model_name:
             raise BadRequest(f"model {req.model!r} does not exist: this server serves {served_model_name!r}")
-        if req.n != 1:
-            raise BadRequest(f"n={req.n} is not supported: tandem returns one choice per request (n=1)")
+        if req.n < 1:
+            raise BadRequest(f"n={req.n} is not allowed: at least 1 choice")
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise BadRequest(f"logprobs={logprobs} is not allowed: between 0 and {MAX_LOGPROBS}")
         if max_tokens is not None and max_tokens < 1:
             raise BadRequest(f"max_tokens={max_tokens} is not allowed: at least 1")
         stop = [req.stop] if isinstance(req.stop, str) else req.stop
         try:
-            return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-                                  max_tokens=max_tokens, stop=stop, seed=req.seed, ignore_eos=req.ignore_eos,
-                                  logprobs=logprobs)
+            return SamplingParams(n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                                  min_p=req.min_p, max_tokens=max_tokens, stop=stop, seed=req.seed,
+                                  ignore_eos=req.ignore_eos, logprobs=logprobs)
         except ValueError as e:
             raise BadRequest(str(e)) from e
 
@@ -129,7 +137,10 @@ def build_app(engine: AsyncEngine, served_model_name: str, model_path: str) -> F
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Any:
-        params = params_of(req, req.max_completion_tokens or req.max_tokens)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise BadRequest("top_logprobs needs logprobs: true")
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        params = params_of(req, req.max_completion_tokens or req.max_tokens, top)
         if template_text is None:
             raise BadRequest(f"model {served_model_name!r} has no chat template (tokenizer_config.json "
                              "chat_template); use /v1/completions")
@@ -176,6 +187,42 @@ async def _watch_disconnect(raw: Request, engine: AsyncEngine, request_id: str) 
             return
 
 
+class _Logprobs:
+    """OpenAI's logprobs shapes from the engine's per-token {token_id: logprob} (top-n plus the sampled token):
+    completions' parallel lists with text offsets, or chat's `content` entries. Tokens are named by their text,
+    or `bytes:\\xNN` when they hold part of a UTF-8 character (OpenAI's convention)."""
+
+    def __init__(self, engine: AsyncEngine, chat: bool, num_top: int):
+        self.tokenizer, self.chat, self.num_top = engine.tokenizer, chat, num_top
+        self.ids: list[int] = []  # completions: the tokens so far, for text offsets
+
+    def entries(self, token_ids: list[int], logprobs: list[dict[int, float]]) -> dict[str, Any]:
+        if self.chat:
+            return {"content": [self._chat_entry(t, lp) for t, lp in zip(token_ids, logprobs, strict=True)]}
+        offsets = []
+        for t in token_ids:
+            offsets.append(len(self.tokenizer.decode(self.ids).removesuffix("\ufffd")))
+            self.ids.append(t)
+        name = self.tokenizer.token_text
+        return {"tokens": [name(t) for t in token_ids],
+                "token_logprobs": [lp.get(t) for t, lp in zip(token_ids, logprobs, strict=True)],
+                "top_logprobs": [{name(k): v for k, v in lp.items()} for lp in logprobs],
+                "text_offset": offsets}
+
+    def _chat_entry(self, token: int, logprobs: dict[int, float]) -> dict[str, Any]:
+        def one(t: int, value: float) -> dict[str, Any]:
+            return {"token": self.tokenizer.token_text(t), "logprob": value,
+                    "bytes": list(self.tokenizer.token_bytes(t))}
+
+        top = sorted(logprobs.items(), key=lambda kv: -kv[1])[: self.num_top]
+        return one(token, logprobs[token]) | {"top_logprobs": [one(t, v) for t, v in top]}
+
+
+def _usage(final: RequestOutput) -> dict[str, int]:
+    num_prompt, num_out = len(final.prompt_token_ids), sum(len(o.token_ids) for o in final.outputs)
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_out, "total_tokens": num_prompt + num_out}
+
+
 async def _respond(engine: AsyncEngine, req: _Sampling, params: SamplingParams, prompt: str | list[int],
                    model: str, chat: bool, raw: Request) -> Any:
     kind = "chat.completion" if chat else "text_completion"
@@ -192,19 +239,19 @@ async def _respond(engine: AsyncEngine, req: _Sampling, params: SamplingParams, 
         assert final is not None
         if final.error is not None:
             raise BadRequest(final.error)
-        out = final.outputs[0]
-        usage = {"prompt_tokens": len(final.prompt_token_ids), "completion_tokens": len(out.token_ids),
-                 "total_tokens": len(final.prompt_token_ids) + len(out.token_ids)}
-        choice: dict[str, Any] = {"index": 0, "finish_reason": out.finish_reason}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": out.text}
-        else:
-            choice["text"] = out.text
-            choice["logprobs"] = None if out.logprobs is None else {
-                "tokens": [engine.tokenizer.decode([t]) for t in out.token_ids],
-                "token_logprobs": [lp.get(t) for t, lp in zip(out.token_ids, out.logprobs, strict=True)],
-                "top_logprobs": [{engine.tokenizer.decode([k]): v for k, v in lp.items()} for lp in out.logprobs]}
-        return {"id": rid, "object": kind, "created": created, "model": model, "choices": [choice], "usage": usage}
+        choices = []
+        for out in final.outputs:
+            choice: dict[str, Any] = {"index": out.index, "finish_reason": out.finish_reason}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": out.text}
+            else:
+                choice["text"] = out.text
+            if params.logprobs is not None or not chat:
+                choice["logprobs"] = None if out.logprobs is None else \
+                    _Logprobs(engine, chat, params.logprobs or 0).entries(out.token_ids, out.logprobs)
+            choices.append(choice)
+        return {"id": rid, "object": kind, "created": created, "model": model, "choices": choices,
+                "usage": _usage(final)}
 
     include_usage = bool((req.stream_options or {}).get("include_usage"))
     stream = engine.generate(prompt, params, rid)
@@ -213,14 +260,17 @@ async def _respond(engine: AsyncEngine, req: _Sampling, params: SamplingParams, 
         watcher.cancel()
         raise BadRequest(first.final.error)
 
-    def chunk(text: str | None, finish: str | None, role: bool = False) -> str:
+    def chunk(index: int, text: str | None, finish: str | None, role: bool = False,
+              logprobs: dict[str, Any] | None = None) -> str:
         if chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text:
                 delta["content"] = text
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+            choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish}
+            if logprobs is not None:
+                choice["logprobs"] = logprobs
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         body = {"id": rid, "object": f"{kind}.chunk" if chat else kind, "created": created, "model": model,
                 "choices": [choice]}
         return f"data: {json.dumps(body)}\n\n"
@@ -234,25 +284,29 @@ async def _respond(engine: AsyncEngine, req: _Sampling, params: SamplingParams, 
             await stream.aclose()  # aborts the request if it has not finished
 
     async def _events() -> AsyncIterator[str]:
-        text = _TextStream(engine, params)
+        texts = [_TextStream(engine, params) for _ in range(params.n)]
+        logprobs = [_Logprobs(engine, chat, params.logprobs or 0) for _ in range(params.n)]
         if chat:
-            yield chunk(None, None, role=True)
+            for i in range(params.n):
+                yield chunk(i, None, None, role=True)
         delta = first
         while True:
             if delta.final is not None:
-                out = delta.final.outputs[0] if delta.final.outputs else None
-                if out is None:  # the engine failed mid-stream
+                if not delta.final.outputs:  # the engine failed mid-stream
                     yield f"data: {json.dumps({'error': {'message': delta.final.error, 'code': 500}})}\n\n"
                     break
-                yield chunk(text.finish(out.text), out.finish_reason)
+                for out in delta.final.outputs:
+                    yield chunk(out.index, texts[out.index].finish(out.text), out.finish_reason)
                 if include_usage:
-                    n_prompt, n_out = len(delta.final.prompt_token_ids), len(out.token_ids)
-                    usage = {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
-                    yield f"data: {json.dumps({'id': rid, 'object': kind, 'created': created, 'model': model, 'choices': [], 'usage': usage})}\n\n"  # noqa: E501
+                    body = {"id": rid, "object": kind, "created": created, "model": model, "choices": [],
+                            "usage": _usage(delta.final)}
+                    yield f"data: {json.dumps(body)}\n\n"
                 break
-            new = text.push(delta.token_ids)
-            if new:
-                yield chunk(new, None)
+            new = texts[delta.index].push(delta.token_ids)
+            entries = logprobs[delta.index].entries(delta.token_ids, delta.logprobs) \
+                if delta.logprobs is not None and params.logprobs is not None else None
+            if new or entries is not None:
+                yield chunk(delta.index, new, None, logprobs=entries)
             delta = await anext(stream)
         yield "data: [DONE]\n\n"
 

@@ -19,6 +19,8 @@ from typing import Any
 
 from tandem.engine.llm_engine import LLMEngine
 from tandem.engine.metrics import Metric
+from tandem.engine.parallel_sampling import ParentRequest
+from tandem.engine.request import Request
 from tandem.entrypoints.engine_args import EngineArgs
 from tandem.entrypoints.openai.prometheus import Histogram
 from tandem.outputs import RequestOutput
@@ -29,14 +31,16 @@ from tandem.sampling_params import SamplingParams
 class _Stream:
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue[Delta]
-    tokens: list[int]  # the request's output_token_ids (the engine appends to it)
-    sent: int = 0
+    choices: list[Request]  # one per choice (n > 1: the children); the engine appends to their outputs
+    sent: list[int]  # tokens of each choice already delivered
 
 
 @dataclass
 class Delta:
-    token_ids: list[int]  # new tokens since the previous delta
-    final: RequestOutput | None = None  # set on the last delta
+    token_ids: list[int]  # new tokens of choice `index` since its previous delta
+    final: RequestOutput | None = None  # set on the last delta (every choice's tokens delivered before it)
+    index: int = 0
+    logprobs: list[dict[int, float]] | None = None  # per new token, when the request asked for logprobs
 
 
 class AsyncEngine:
@@ -79,7 +83,7 @@ class AsyncEngine:
                     self.ttft.observe(now - start)
                 if delta.final is not None and delta.final.error is None and first is not None:
                     self.e2e.observe(now - start)
-                    num_out = len(delta.final.outputs[0].token_ids)
+                    num_out = max(len(o.token_ids) for o in delta.final.outputs)
                     if num_out > 1:
                         self.tpot.observe((now - first) / (num_out - 1))
                 yield delta
@@ -139,17 +143,22 @@ class AsyncEngine:
                 if isinstance(added, RequestOutput):  # rejected at once (e.g. too long)
                     loop.call_soon_threadsafe(out.put_nowait, Delta([], added))
                 else:
-                    self._streams[request_id] = _Stream(loop, out, added.output_token_ids)
+                    choices = added.children if isinstance(added, ParentRequest) else [added]
+                    self._streams[request_id] = _Stream(loop, out, choices, [0] * len(choices))
             elif kind == "abort" and payload in self._streams:
                 del self._streams[payload]
                 self.engine.abort_request(payload)  # frees its KV blocks at once
 
     def _publish(self, finished: dict[str, RequestOutput]) -> None:
         for request_id, st in list(self._streams.items()):
+            for index, req in enumerate(st.choices):
+                new = req.output_token_ids[st.sent[index]:]
+                if not new:
+                    continue
+                logprobs = req.logprobs[st.sent[index]:] if req.logprobs is not None else None
+                st.loop.call_soon_threadsafe(st.out.put_nowait, Delta(list(new), None, index, logprobs))
+                st.sent[index] += len(new)
             final = finished.get(request_id)
-            token_ids = list(final.outputs[0].token_ids) if final is not None else list(st.tokens)
-            if len(token_ids) > st.sent or final is not None:
-                st.loop.call_soon_threadsafe(st.out.put_nowait, Delta(token_ids[st.sent:], final))
-                st.sent = len(token_ids)
             if final is not None:
+                st.loop.call_soon_threadsafe(st.out.put_nowait, Delta([], final))
                 del self._streams[request_id]

@@ -1,0 +1,45 @@
+"""Parallel sampling (`SamplingParams.n > 1`): one request fans out into n child requests that the scheduler
+runs like any other; their completions are gathered back into one RequestOutput with n choices.
+
+As in vLLM, child i is named `f"{i}_{parent_id}"` and, when the parent has a seed, samples with seed + i, so
+choice i of a seeded request equals the same prompt sent alone with seed + i. Children share the prompt, so
+with prefix caching on, the prompt's full blocks are computed once the first child has cached them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from tandem.engine.request import Request
+from tandem.outputs import CompletionOutput, RequestOutput
+from tandem.sampling_params import SamplingParams
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    seed = None if params.seed is None else params.seed + index
+    return replace(params, n=1, seed=seed)
+
+
+def child_id(parent_id: str, index: int) -> str:
+    return f"{index}_{parent_id}"
+
+
+@dataclass
+class ParentRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+    done: dict[int, CompletionOutput] = field(default_factory=dict)
+    num_cached_tokens: int = 0
+
+    def finish_child(self, index: int, output: RequestOutput) -> RequestOutput | None:
+        """Record child `index`'s completion; the gathered output once every child has finished."""
+        completion = output.outputs[0]
+        self.done[index] = replace(completion, index=index)
+        self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
+        if len(self.done) < len(self.children):
+            return None
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
+                             [self.done[i] for i in range(len(self.children))], finished=True,
+                             num_cached_tokens=self.num_cached_tokens)

@@ -11,6 +11,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -318,3 +319,60 @@ def test_logprob_token_names_are_distinct_and_reassemble_the_text():
     assert b"".join(tok.token_bytes(t) for t in ids).decode() == text
     partial = [t for t, n in zip(ids, names, strict=True) if n.startswith("bytes:")]
     assert len({tok.token_text(t) for t in partial}) == len(set(partial)), "two byte tokens share a name"
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:  # fields[1] is the parent pid
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
+def test_serve_shuts_down_with_its_ranks_on_a_signal(tiny_checkpoints, signum):
+    import signal
+    import subprocess
+    import sys
+
+    path = str(tiny_checkpoints("llama"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "tandem.entrypoints.cli", "serve", path, "-pcp", "2",
+                             "--dtype", "float32", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1)
+                break
+            except OSError:
+                assert proc.poll() is None, proc.stderr.read().decode()[-2000:] if proc.stderr else ""
+                time.sleep(0.1)
+        ok = _client(url).completions.create(model=Path(path).name, prompt="hello", max_tokens=3, temperature=0)
+        assert ok.usage.completion_tokens == 3
+        ranks = [pid for kid in _children(proc.pid) for pid in [kid, *_children(kid)]]
+        assert ranks, "no rank processes found under the server"
+        proc.send_signal(getattr(signal, signum))
+        assert proc.wait(timeout=60) == 0, proc.stderr.read().decode()[-2000:] if proc.stderr else ""
+        deadline = time.monotonic() + 30
+        while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [pid for pid in ranks if _alive(pid)], "a rank outlived the server"
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -313,7 +313,13 @@ async def _respond(engine: AsyncEngine, req: _Sampling, params: SamplingParams, 
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
+def _exit_cleanly(signum: int, _frame: object) -> None:
+    raise SystemExit(0)
+
+
 def run_server(args: EngineArgs, host: str, port: int, served_model_name: str | None) -> None:
+    import signal
+
     import uvicorn
 
     from tandem.assets import default_model
@@ -322,6 +328,10 @@ def run_server(args: EngineArgs, host: str, port: int, served_model_name: str | 
     engine = AsyncEngine(args)
     name = served_model_name or Path(model).name
     app = build_app(engine, name, model)
+    # uvicorn catches SIGINT/SIGTERM, drains, then re-raises the signal once it has stopped; with these
+    # handlers in place that re-raise becomes SystemExit, so the `finally` below still stops the ranks.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _exit_cleanly)
     try:
         uvicorn.run(app, host=host, port=port, log_level="info")
     finally:

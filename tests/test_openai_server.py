@@ -376,3 +376,24 @@ def test_serve_shuts_down_with_its_ranks_on_a_signal(tiny_checkpoints, signum):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_vllm_extra_sampling_parameters_and_version(server, tiny_checkpoints):
+    from tandem import LLM, SamplingParams
+
+    url, _ = server
+    client = _client(url)
+    reference = LLM(str(tiny_checkpoints("deepseek_v3", num_mtp_layers=1)), dtype="float32").generate(
+        "The quick brown fox", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    ids = reference[0].outputs[0].token_ids
+    stop_id = ids[2]
+    stopped = client.completions.create(model=NAME, prompt="The quick brown fox", max_tokens=8, temperature=0,
+                                        extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]})
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.usage.completion_tokens == ids.index(stop_id) + 1
+    longer = client.completions.create(model=NAME, prompt="The quick brown fox", max_tokens=8, temperature=0,
+                                       extra_body={"stop_token_ids": [stop_id], "ignore_eos": True,
+                                                   "min_tokens": 8})
+    assert longer.usage.completion_tokens == 8
+    version = json.loads(urllib.request.urlopen(url + "/version").read())
+    assert isinstance(version["version"], str) and version["version"]

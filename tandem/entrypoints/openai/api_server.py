@@ -40,6 +40,11 @@ class _Sampling(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = None
     ignore_eos: bool = False
+    # vLLM's extra sampling parameters
+    stop_token_ids: list[int] | None = None
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     stream: bool = False
     stream_options: dict[str, Any] | None = None
 
@@ -94,6 +99,16 @@ def build_app(engine: AsyncEngine, served_model_name: str, model_path: str) -> F
     async def health() -> Any:
         return _error(f"engine stopped: {engine.error}", 500) if engine.error else PlainTextResponse("ok")
 
+    @app.get("/version")
+    async def version() -> Any:
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as package_version
+
+        try:
+            return {"version": package_version("tandem")}
+        except PackageNotFoundError:
+            return {"version": "unknown"}
+
     @app.get("/v1/models")
     async def models() -> Any:
         return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": 0,
@@ -119,7 +134,10 @@ def build_app(engine: AsyncEngine, served_model_name: str, model_path: str) -> F
         try:
             return SamplingParams(n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                   min_p=req.min_p, max_tokens=max_tokens, stop=stop, seed=req.seed,
-                                  ignore_eos=req.ignore_eos, logprobs=logprobs)
+                                  ignore_eos=req.ignore_eos, logprobs=logprobs,
+                                  stop_token_ids=req.stop_token_ids or [], min_tokens=req.min_tokens,
+                                  include_stop_str_in_output=req.include_stop_str_in_output,
+                                  skip_special_tokens=req.skip_special_tokens)
         except ValueError as e:
             raise BadRequest(str(e)) from e
 
@@ -160,11 +178,12 @@ class _TextStream:
 
     def __init__(self, engine: AsyncEngine, params: SamplingParams):
         self.tokenizer, self.ids, self.sent = engine.tokenizer, [], ""
+        self.skip_special_tokens = params.skip_special_tokens
         self.hold = max((len(s) for s in params.stop or []), default=1) - 1
 
     def push(self, token_ids: list[int]) -> str:
         self.ids += token_ids
-        text = self.tokenizer.decode(self.ids)
+        text = self.tokenizer.decode(self.ids, self.skip_special_tokens)
         if text.endswith("\ufffd"):
             return ""
         ready = text[: len(text) - self.hold] if self.hold else text

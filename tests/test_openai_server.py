@@ -112,6 +112,37 @@ def test_n_choices_streamed_and_not_follow_seed_plus_index(server):
     assert [chat_streamed[i] for i in range(2)] == [c.message.content for c in chat.choices]
 
 
+def test_a_batch_of_prompts_numbers_choices_prompt_major(server):
+    url, engine = server
+    client = _client(url)
+    prompts = ["Once upon a time", "The quick brown fox", "Hello"]
+    kw = {"model": NAME, "max_tokens": 6, "temperature": 1.0, "seed": 3, "extra_body": {"ignore_eos": True}}
+    batch = client.completions.create(prompt=prompts, n=2, **kw)
+    assert [c.index for c in batch.choices] == list(range(6)) and batch.usage.completion_tokens == 36
+    single = [client.completions.create(prompt=p, n=2, **kw) for p in prompts]
+    assert [c.text for c in batch.choices] == [c.text for s in single for c in s.choices]
+    assert batch.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in single)
+    streamed: dict[int, str] = {}
+    usage = None
+    for event in client.completions.create(prompt=prompts, n=2, stream=True,
+                                           stream_options={"include_usage": True}, **kw):
+        for c in event.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+        usage = event.usage or usage
+    assert [streamed[i] for i in range(6)] == [c.text for c in batch.choices]
+    assert usage is not None and usage.completion_tokens == 36
+    ids = [engine.tokenizer.encode(p) for p in prompts[:2]]
+    by_ids = client.completions.create(prompt=ids, **kw | {"temperature": 0})
+    assert [c.text for c in by_ids.choices] == [client.completions.create(prompt=p, **kw | {"temperature": 0})
+                                                .choices[0].text for p in prompts[:2]]
+    bad = json.dumps({"model": NAME, "prompt": [[5, 6, 7], list(range(3, 600))]}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=bad, headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req)
+    assert err.value.code == 400 and "max_model_len" in json.loads(err.value.read())["error"]["message"]
+    _assert_idle(engine)
+
+
 def test_logprobs_streamed_equal_non_streamed(server):
     url, _ = server
     client = _client(url)

@@ -1,0 +1,221 @@
+"""Responses of /v1/completions and /v1/chat/completions from the AsyncEngine's deltas: the whole JSON body, or
+server-sent events. Scope: response shapes, incremental text, logprobs; validation lives in api_server.py.
+
+One HTTP request may carry several prompts (completions' `prompt` as a list) and ask for `n` choices each: every
+prompt becomes one engine request (its n choices are the engine's parallel-sampling children), all submitted at
+once, and choice `j` of prompt `i` is numbered `i * n + j`, as OpenAI and vLLM number them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from tandem.entrypoints.openai.async_engine import AsyncEngine, Delta
+from tandem.outputs import RequestOutput
+from tandem.sampling_params import SamplingParams
+
+
+class BadRequest(Exception):
+    pass
+
+
+class _TextStream:
+    """Incremental detokenization: decode the whole output, emit what is new, hold back an unfinished UTF-8
+    character and anything that could still turn out to be the start of a stop string."""
+
+    def __init__(self, engine: AsyncEngine, params: SamplingParams):
+        self.tokenizer, self.ids, self.sent = engine.tokenizer, [], ""
+        self.skip_special_tokens = params.skip_special_tokens
+        self.hold = max((len(s) for s in params.stop or []), default=1) - 1
+
+    def push(self, token_ids: list[int]) -> str:
+        self.ids += token_ids
+        text = self.tokenizer.decode(self.ids, self.skip_special_tokens)
+        if text.endswith("\ufffd"):
+            return ""
+        ready = text[: len(text) - self.hold] if self.hold else text
+        new = ready[len(self.sent):] if ready.startswith(self.sent) else ""
+        self.sent += new
+        return new
+
+    def finish(self, final_text: str) -> str:
+        new = final_text[len(self.sent):] if final_text.startswith(self.sent) else ""
+        self.sent += new
+        return new
+
+
+class _Logprobs:
+    """OpenAI's logprobs shapes from the engine's per-token {token_id: logprob} (top-n plus the sampled token):
+    completions' parallel lists with text offsets, or chat's `content` entries. Tokens are named by their text,
+    or `bytes:\\xNN` when they hold part of a UTF-8 character (OpenAI's convention)."""
+
+    def __init__(self, engine: AsyncEngine, chat: bool, num_top: int):
+        self.tokenizer, self.chat, self.num_top = engine.tokenizer, chat, num_top
+        self.ids: list[int] = []  # completions: the tokens so far, for text offsets
+
+    def entries(self, token_ids: list[int], logprobs: list[dict[int, float]]) -> dict[str, Any]:
+        if self.chat:
+            return {"content": [self._chat_entry(t, lp) for t, lp in zip(token_ids, logprobs, strict=True)]}
+        offsets = []
+        for t in token_ids:
+            offsets.append(len(self.tokenizer.decode(self.ids).removesuffix("\ufffd")))
+            self.ids.append(t)
+        name = self.tokenizer.token_text
+        return {"tokens": [name(t) for t in token_ids],
+                "token_logprobs": [lp.get(t) for t, lp in zip(token_ids, logprobs, strict=True)],
+                "top_logprobs": [{name(k): v for k, v in lp.items()} for lp in logprobs],
+                "text_offset": offsets}
+
+    def _chat_entry(self, token: int, logprobs: dict[int, float]) -> dict[str, Any]:
+        def one(t: int, value: float) -> dict[str, Any]:
+            return {"token": self.tokenizer.token_text(t), "logprob": value,
+                    "bytes": list(self.tokenizer.token_bytes(t))}
+
+        top = sorted(logprobs.items(), key=lambda kv: -kv[1])[: self.num_top]
+        return one(token, logprobs[token]) | {"top_logprobs": [one(t, v) for t, v in top]}
+
+
+def _usage(finals: list[RequestOutput]) -> dict[str, int]:
+    num_prompt = sum(len(f.prompt_token_ids) for f in finals)
+    num_out = sum(len(o.token_ids) for f in finals for o in f.outputs)
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_out, "total_tokens": num_prompt + num_out}
+
+
+async def _watch_disconnect(raw: Request, engine: AsyncEngine, request_ids: list[str]) -> None:
+    """Abort the requests as soon as their client hangs up (uvicorn reports http.disconnect on receive)."""
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            for request_id in request_ids:
+                engine.abort(request_id)
+            return
+
+
+async def respond(engine: AsyncEngine, params: SamplingParams, prompts: list[str | list[int]], model: str,
+                  chat: bool, stream: bool, include_usage: bool, raw: Request) -> Any:
+    kind = "chat.completion" if chat else "text_completion"
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
+    created, n = int(time.time()), params.n
+    watcher = asyncio.create_task(_watch_disconnect(raw, engine, ids))
+    streams = [engine.generate(p, params, request_id) for p, request_id in zip(prompts, ids, strict=True)]
+
+    async def close() -> None:
+        watcher.cancel()
+        for s in streams:
+            await s.aclose()  # aborts a request that has not finished
+
+    # Every prompt is submitted before any is awaited; a prompt rejected at once becomes a 400 for the request.
+    firsts: list[Delta] = await asyncio.gather(*(anext(s) for s in streams))
+    for first in firsts:
+        if first.final is not None and first.final.error is not None:
+            await close()
+            raise BadRequest(first.final.error)
+
+    if not stream:
+        async def drain(s: AsyncIterator[Delta], delta: Delta) -> RequestOutput:
+            while delta.final is None:
+                delta = await anext(s)
+            return delta.final
+
+        try:
+            finals = await asyncio.gather(*(drain(s, f) for s, f in zip(streams, firsts, strict=True)))
+        finally:
+            await close()
+        for final in finals:
+            if final.error is not None:
+                raise BadRequest(final.error)
+        choices = [_choice(engine, params, chat, i * n + out.index, out)
+                   for i, final in enumerate(finals) for out in final.outputs]
+        return {"id": rid, "object": kind, "created": created, "model": model, "choices": choices,
+                "usage": _usage(finals)}
+
+    def chunk(index: int, text: str | None, finish: str | None, role: bool = False,
+              logprobs: dict[str, Any] | None = None) -> str:
+        if chat:
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text:
+                delta["content"] = text
+            choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish}
+            if logprobs is not None:
+                choice["logprobs"] = logprobs
+        else:
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+        body = {"id": rid, "object": f"{kind}.chunk" if chat else kind, "created": created, "model": model,
+                "choices": [choice]}
+        return f"data: {json.dumps(body)}\n\n"
+
+    # One queue merges the prompts' delta streams: (prompt index, delta).
+    merged: asyncio.Queue[tuple[int, Delta]] = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        delta = firsts[i]
+        while True:
+            await merged.put((i, delta))
+            if delta.final is not None:
+                return
+            delta = await anext(streams[i])
+
+    async def events() -> AsyncIterator[str]:
+        pumps = [asyncio.create_task(pump(i)) for i in range(len(streams))]
+        try:
+            async for event in _events():
+                yield event
+        finally:
+            for task in pumps:
+                task.cancel()
+            await close()
+
+    async def _events() -> AsyncIterator[str]:
+        num_choices = len(prompts) * n
+        texts = [_TextStream(engine, params) for _ in range(num_choices)]
+        logprobs = [_Logprobs(engine, chat, params.logprobs or 0) for _ in range(num_choices)]
+        if chat:
+            for index in range(num_choices):
+                yield chunk(index, None, None, role=True)
+        finals: list[RequestOutput] = []
+        while len(finals) < len(streams):
+            i, delta = await merged.get()
+            if delta.final is not None:
+                if not delta.final.outputs:  # the engine failed mid-stream
+                    yield f"data: {json.dumps({'error': {'message': delta.final.error, 'code': 500}})}\n\n"
+                    break
+                finals.append(delta.final)
+                for out in delta.final.outputs:
+                    index = i * n + out.index
+                    yield chunk(index, texts[index].finish(out.text), out.finish_reason)
+                continue
+            index = i * n + delta.index
+            new = texts[index].push(delta.token_ids)
+            entries = logprobs[index].entries(delta.token_ids, delta.logprobs) \
+                if delta.logprobs is not None and params.logprobs is not None else None
+            if new or entries is not None:
+                yield chunk(index, new, None, logprobs=entries)
+        else:
+            if include_usage:
+                body = {"id": rid, "object": kind, "created": created, "model": model, "choices": [],
+                        "usage": _usage(finals)}
+                yield f"data: {json.dumps(body)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _choice(engine: AsyncEngine, params: SamplingParams, chat: bool, index: int, out: Any) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": index, "finish_reason": out.finish_reason}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": out.text}
+    else:
+        choice["text"] = out.text
+    if params.logprobs is not None or not chat:
+        choice["logprobs"] = None if out.logprobs is None else \
+            _Logprobs(engine, chat, params.logprobs or 0).entries(out.token_ids, out.logprobs)
+    return choice

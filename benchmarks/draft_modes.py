@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,11 +23,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pcp_prefill import machine_info, prompt_token_ids  # noqa: E402
-
-from tandem.assets import DEFAULT_MODEL  # noqa: E402
-from tandem.worker.pcp import partition  # noqa: E402
+from tandem.assets import DEFAULT_MODEL
+from tandem.bench.machine import machine_info
+from tandem.bench.prompts import random_token_ids
+from tandem.worker.pcp import partition
 
 MTP = {"method": "mtp", "num_speculative_tokens": 1}
 MODES = {"no drafter": None, "sharded": MTP, "replicated": {**MTP, "attention_backend": "CONTIGUOUS_MLA"}}
@@ -82,7 +80,7 @@ def main() -> None:
         config = json.loads((model / "config.json").read_text())
         config["max_position_embeddings"] = max(config["max_position_embeddings"], args.prompt_len + 64)
         (model / "config.json").write_text(json.dumps(config))
-        ids = prompt_token_ids(config["vocab_size"], args.prompt_len, 0)
+        ids = random_token_ids(config["vocab_size"], args.prompt_len, 0)
         print(f"{info['cpu']}, {info['num_cores']} cores, torch {info['torch']}, "
               f"load {info['load_avg_1m_at_start']:.2f}")
         print(f"one prompt of {args.prompt_len} tokens, PCP={args.pcp_size}, budget {args.max_num_batched_tokens}, "

@@ -13,7 +13,6 @@ multi-rank executor gives each rank `torch.get_num_threads() // world` threads, 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import time
@@ -22,6 +21,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from tandem.bench.machine import machine_info
+from tandem.bench.prompts import random_token_ids
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / ".cache" / "smollm2-135m-instruct"
@@ -68,12 +70,6 @@ def gather_bytes(config: dict, prompt_len: int, batched_tokens: int, pcp_size: i
                        hidden_bytes_per_token=hidden_per_token, kv_per_layer=kv_per_layer,
                        restore_total=restore_total,
                        total=kv_per_layer * config["num_hidden_layers"] + restore_total)
-
-
-def prompt_token_ids(vocab_size: int, length: int, seed: int) -> list[int]:
-    # Random ids above the usual special-token range: content does not change the prefill's cost.
-    rng = np.random.default_rng(seed)
-    return rng.integers(min(100, vocab_size - 1), vocab_size, size=length).tolist()
 
 
 def child_cpu_seconds() -> dict[int, float]:
@@ -142,20 +138,6 @@ def time_prefill(model: Path, ids: list[int], pcp_size: int, batched_tokens: int
     return Run(pcp_size, batched_tokens, rank_threads, walls[best], walls, cpus[best], tokens.pop())
 
 
-def machine_info() -> dict[str, object]:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "num_cores": os.cpu_count(), "torch": torch.__version__,
-            "load_avg_1m_at_start": os.getloadavg()[0],
-            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")}
-
-
 def print_table(rows: list[dict[str, object]]) -> None:
     print(f"\n{'budget':>7}{'P':>3}{'thr/rank':>9}{'wall s':>9}{'speedup':>9}{'effic.':>8}{'cpu s':>8}"
           f"{'cpu spd':>8}{'K/V B/layer':>13}{'restore B':>11}{'load':>6}{'token':>7}")
@@ -188,7 +170,7 @@ def main() -> None:
         raise SystemExit(f"--model {args.model}: no config.json there (make setup converts SmolLM2)")
 
     config = json.loads((args.model / "config.json").read_text())
-    ids = prompt_token_ids(config["vocab_size"], args.prompt_len, args.seed)
+    ids = random_token_ids(config["vocab_size"], args.prompt_len, args.seed)
     info = machine_info()
     print(f"{info['cpu']}, {info['num_cores']} cores, torch {info['torch']}, load {info['load_avg_1m_at_start']:.2f}")
     print(f"model {args.model.name}: {config['num_hidden_layers']} layers, hidden {config['hidden_size']}; "

@@ -1,23 +1,31 @@
 """`tandem bench serve`: a load generator for any OpenAI-compatible server, and the same load on a peer in the
-same invocation (`--vs URL`). Scope: prompts, the streaming client, latency statistics and the report.
+same invocation (`--vs URL`, or `--vs hf`: Hugging Face's `transformers serve`, see hf_peer.py). Scope: the
+streaming client, latency statistics and the report.
 
-Per request (streamed completions, `max_tokens` fixed, EOS ignored where the server honours `ignore_eos`):
-TTFT = first text chunk - send; ITL = gaps between chunks; TPOT = (end - first chunk) / (tokens - 1) with
-tokens from the usage chunk; throughput = output tokens / wall time of the whole run.
+Per request (streamed completions, greedy, `max_tokens` fixed; EOS ignored where `ignore_eos` is sent): TTFT =
+first text chunk - send; ITL = gaps between chunks; TPOT = (end - first chunk) / (tokens - 1), tokens from the
+usage chunk, else the streamed text re-tokenized with the model's tokenizer; throughput = output tokens / wall
+time of the whole run. One short warm-up request (a prompt outside the measured set) precedes each run.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import os
 import statistics
 import time
 import urllib.parse
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
-from tandem.data.gsm8k import SHARED_GSM8K, load_jsonl, synthetic_split
+from tandem.bench import hf_peer
+from tandem.bench.machine import machine_info
+
+WARMUP_PROMPT = "Warm-up: count from one to three."
 
 
 @dataclass
@@ -25,19 +33,23 @@ class RequestResult:
     ttft_s: float
     itl_s: list[float]
     e2e_s: float
-    output_tokens: int
+    text: str
+    output_tokens: int | None  # from the usage chunk; None when the server sent none
 
 
 @dataclass
 class BenchResult:
+    name: str
     url: str
     num_prompts: int
     concurrency: int
     wall_s: float
     output_tokens: int
+    token_counts: str  # where output_tokens came from: "usage" or "re-tokenized text"
     ttft_s: dict[str, float] = field(default_factory=dict)
     tpot_s: dict[str, float] = field(default_factory=dict)
     itl_s: dict[str, float] = field(default_factory=dict)
+    texts: list[str] = field(default_factory=list)  # each request's generated text, in prompt order
 
     @property
     def tokens_per_s(self) -> float:
@@ -46,13 +58,6 @@ class BenchResult:
     @property
     def requests_per_s(self) -> float:
         return self.num_prompts / self.wall_s
-
-
-def bench_prompts(num_prompts: int) -> list[str]:
-    """GSM8K test questions when ../shared is there, else the synthetic split, in the eval's layout."""
-    path = SHARED_GSM8K / "test.jsonl"
-    problems = load_jsonl(path) if path.is_file() else synthetic_split("test", num_prompts)
-    return [f"Question: {problems[i % len(problems)].question}\nAnswer:" for i in range(num_prompts)]
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -66,11 +71,13 @@ def percentiles(values: list[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(ordered), "p50": pct(50), "p90": pct(90), "p99": pct(99)}
 
 
-def one_request(url: str, model: str | None, prompt: str, max_tokens: int) -> RequestResult:
+def one_request(url: str, model: str | None, prompt: str, max_tokens: int, ignore_eos: bool) -> RequestResult:
     parts = urllib.parse.urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=600)
     body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                            "ignore_eos": True, "stream_options": {"include_usage": True}}
+                            "stream_options": {"include_usage": True}}
+    if ignore_eos:
+        body["ignore_eos"] = True
     if model:
         body["model"] = model
     start = time.perf_counter()
@@ -79,36 +86,45 @@ def one_request(url: str, model: str | None, prompt: str, max_tokens: int) -> Re
     resp = conn.getresponse()
     if resp.status != 200:
         raise RuntimeError(f"{url}: HTTP {resp.status}: {resp.read()[:300]!r}")
-    chunk_times, tokens = [], 0
+    chunk_times, texts, tokens = [], [], None
     for raw in resp:
         line = raw.decode().strip()
         if not line.startswith("data: ") or line == "data: [DONE]":
             continue
         event = json.loads(line[6:])
+        if event.get("error"):
+            raise RuntimeError(f"{url}: the stream failed: {event['error']}")
         if event.get("usage"):
             tokens = event["usage"]["completion_tokens"]
-        if any(c.get("text") for c in event.get("choices", [])):
+        text = "".join(c.get("text") or "" for c in event.get("choices", []))
+        if text:
             chunk_times.append(time.perf_counter())
+            texts.append(text)
     end = time.perf_counter()
     conn.close()
-    if not chunk_times:
-        raise RuntimeError(f"{url}: a stream produced no text")
+    if not chunk_times:  # EOS first (without ignore_eos): no text, and the first token came at the end
+        chunk_times.append(end)
     return RequestResult(chunk_times[0] - start, [b - a for a, b in zip(chunk_times, chunk_times[1:], strict=False)],
-                         end - start, tokens or len(chunk_times))
+                         end - start, "".join(texts), tokens)
 
 
-def run_bench(url: str, model: str | None, prompts: list[str], concurrency: int, max_tokens: int) -> BenchResult:
+def run_bench(name: str, url: str, model: str | None, prompts: list[str], concurrency: int, max_tokens: int,
+              ignore_eos: bool, count_tokens: Callable[[str], int]) -> BenchResult:
+    """`count_tokens` counts a text's tokens for a server whose stream has no usage chunk."""
     from tqdm import tqdm
 
+    one_request(url, model, WARMUP_PROMPT, 4, ignore_eos)
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        futures = [pool.submit(one_request, url, model, p, max_tokens) for p in prompts]
-        results = [f.result() for f in tqdm(futures, desc=url, unit="req")]
+        futures = [pool.submit(one_request, url, model, p, max_tokens, ignore_eos) for p in prompts]
+        results = [f.result() for f in tqdm(futures, desc=name, unit="req")]
     wall = time.perf_counter() - start
-    tpot = [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r in results if r.output_tokens > 1]
-    return BenchResult(url, len(prompts), concurrency, wall, sum(r.output_tokens for r in results),
+    counts = [r.output_tokens if r.output_tokens is not None else count_tokens(r.text) for r in results]
+    source = "usage" if all(r.output_tokens is not None for r in results) else "re-tokenized text"
+    tpot = [(r.e2e_s - r.ttft_s) / (n - 1) for r, n in zip(results, counts, strict=True) if n > 1]
+    return BenchResult(name, url, len(prompts), concurrency, wall, sum(counts), source,
                        percentiles([r.ttft_s for r in results]), percentiles(tpot),
-                       percentiles([x for r in results for x in r.itl_s]))
+                       percentiles([x for r in results for x in r.itl_s]), [r.text for r in results])
 
 
 def report(results: list[BenchResult]) -> str:
@@ -119,14 +135,63 @@ def report(results: list[BenchResult]) -> str:
         return " / ".join(f"{1000 * d[k]:.1f}" for k in ("p50", "p90", "p99")) if d else "n/a"
 
     for r in results:
-        lines.append(f"| {r.url} | {r.requests_per_s:.2f} | {r.tokens_per_s:.1f} | {ms(r.ttft_s)} | "
+        lines.append(f"| {r.name} | {r.requests_per_s:.2f} | {r.tokens_per_s:.1f} | {ms(r.ttft_s)} | "
                      f"{ms(r.tpot_s)} | {ms(r.itl_s)} |")
     if len(results) == 2:
-        lines.append(f"\nthroughput {results[0].url} / {results[1].url}: "
-                     f"{results[0].tokens_per_s / results[1].tokens_per_s:.2f}x")
+        a, b = results
+        lines.append(f"\nthroughput {a.name} / {b.name}: {a.tokens_per_s / b.tokens_per_s:.2f}x")
+        lines.append(f"identical texts: {identical_texts(a, b)}/{a.num_prompts}; output tokens {a.output_tokens} "
+                     f"({a.token_counts}) vs {b.output_tokens} ({b.token_counts})")
     return "\n".join(lines)
 
 
-def results_json(results: list[BenchResult]) -> str:
-    return json.dumps([asdict(r) | {"tokens_per_s": r.tokens_per_s, "requests_per_s": r.requests_per_s}
-                       for r in results], indent=2)
+def identical_texts(a: BenchResult, b: BenchResult) -> int:
+    return sum(x == y for x, y in zip(a.texts, b.texts, strict=True))
+
+
+def token_counter(model_folder: str | None) -> Callable[[str], int]:
+    """Counts a streamed text's tokens with the model's tokenizer (no BOS: the text is output only)."""
+    path = Path(model_folder or "") / "tokenizer.json"
+
+    def count(text: str) -> int:
+        if model_folder is None or not path.is_file():
+            raise RuntimeError(f"a server sent no usage chunk and there is no tokenizer to count its text with "
+                               f"({path} not found; pass --hf-model MODEL_FOLDER)")
+        from tokenizers import Tokenizer
+
+        return len(Tokenizer.from_file(str(path)).encode(text, add_special_tokens=False).ids)
+
+    return count
+
+
+def bench_serve(url: str, model: str | None, vs: str | None, hf: hf_peer.HFPeerConfig, prompts: list[str],
+                concurrency: int, max_tokens: int, ignore_eos: bool) -> dict[str, Any]:
+    """The load on `url`, then on the peer `vs` (a base URL, or "hf": `transformers serve` started here)."""
+    info = machine_info()
+    folder = hf.model or (hf_peer.served_model_root(url) if vs == "hf" else None)
+    count = token_counter(folder)
+    results = [run_bench(url, url, model, prompts, concurrency, max_tokens, ignore_eos, count)]
+    config: dict[str, Any] = {"url": url, "vs": vs, "num_prompts": len(prompts), "concurrency": concurrency,
+                              "max_tokens": max_tokens, "ignore_eos": ignore_eos}
+    if vs == "hf":
+        assert folder is not None
+        cb = hf_peer.use_continuous_batching(folder, hf.continuous_batching)
+        name = hf_peer.peer_name(cb)
+        print(f"peer: {name}, model {folder}, dtype {hf.dtype}")
+        with hf_peer.hf_server(folder, hf.dtype, cb, hf.startup_timeout_s) as hf_url:
+            # No model field: a forced-model `transformers serve` takes requests without one.
+            results.append(run_bench(name, hf_url, None, prompts, concurrency, max_tokens, ignore_eos, count))
+        config |= {"peer": name, "hf_model": folder, "hf_dtype": hf.dtype, "hf_continuous_batching": cb}
+    elif vs:
+        results.append(run_bench(vs, vs, model, prompts, concurrency, max_tokens, ignore_eos, count))
+    info["load_avg_1m_at_end"] = os.getloadavg()[0]
+    out: dict[str, Any] = {"machine": info, "config": config, "results": results}
+    if len(results) == 2:
+        out["identical_texts"] = identical_texts(*results)
+    return out
+
+
+def results_json(bench: dict[str, Any]) -> str:
+    results = [asdict(r) | {"tokens_per_s": r.tokens_per_s, "requests_per_s": r.requests_per_s}
+               for r in bench["results"]]
+    return json.dumps(bench | {"results": results}, indent=2)

@@ -1,4 +1,4 @@
-"""`tandem` command line: generate, serve, bench serve, eval gsm8k, convert-gguf."""
+"""`tandem` command line: generate, serve, bench (offline, serve), eval gsm8k, convert-gguf."""
 
 from __future__ import annotations
 
@@ -64,35 +64,80 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmark a server")
+    p = sub.add_parser("bench", help="benchmark tandem in-process (offline) or a server (serve)")
     kind = p.add_subparsers(dest="bench", required=True)
-    s = kind.add_parser("serve", help="streamed load on an OpenAI-compatible server (and a peer: --vs URL)")
+    s = kind.add_parser("serve", help="streamed load on an OpenAI-compatible server (and a peer: --vs URL or hf)")
     s.add_argument("--url", required=True, help="base URL of the server, e.g. http://127.0.0.1:8000")
-    s.add_argument("--vs", default=None, help="a peer server's base URL, run on the same prompts right after")
+    s.add_argument("--vs", default=None, help="a peer run on the same prompts right after: a server's base URL, or "
+                   "'hf' to start Hugging Face's `transformers serve` on the same model here")
     s.add_argument("--model", default=None, help="model id to send (default: none, the server's only model)")
     s.add_argument("--concurrency", type=int, default=32)
     s.add_argument("--num-prompts", type=int, default=128)
     s.add_argument("--max-tokens", type=int, default=64)
+    s.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
+                   help="send ignore_eos (default: yes, except with --vs hf: transformers serve rejects the field)")
+    s.add_argument("--hf-model", default=None,
+                   help="--vs hf: the model folder (default: the root that --url reports in GET /v1/models)")
+    s.add_argument("--hf-dtype", default="auto", help="--vs hf: transformers serve --dtype (give the server's)")
+    s.add_argument("--hf-continuous-batching", choices=["auto", "on", "off"], default="auto",
+                   help="--vs hf: auto = on, except for MLA checkpoints (transformers' paged cache fails on them)")
+    s.add_argument("--hf-startup-timeout", type=float, default=300.0, help="--vs hf: seconds to wait for /health")
     s.add_argument("--output-json", default=None)
+    o = kind.add_parser("offline", help="LLM.generate throughput on a batch of prompts (and HF generate: --vs hf)")
+    o.add_argument("model", nargs="?", default=None, help="local model folder (default: the bundled model)")
+    o.add_argument("--num-prompts", type=int, default=32)
+    o.add_argument("--max-tokens", type=int, default=64, help="output tokens per prompt, exactly (EOS does not stop)")
+    o.add_argument("--input-len", type=int, default=None,
+                   help="prompts of this many random token ids (seeded by --seed) instead of GSM8K questions")
+    o.add_argument("--vs", choices=["hf"], default=None, help="also time Hugging Face `generate` in this process")
+    o.add_argument("--hf-batch-size", type=int, default=None, help="prompts per left-padded HF batch (default: all)")
+    o.add_argument("--repeats", type=int, default=1, help="timed runs per engine, alternating; the best is reported")
+    o.add_argument("--output-json", default=None)
+    EngineArgs.add_cli_args(o)
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from tandem.bench import serve
-
-    if args.vs == "hf":
-        print("tandem bench serve: --vs hf is not implemented yet (no Hugging Face peer server); "
-              "pass --vs URL of another OpenAI-compatible server", file=sys.stderr)
-        return 2
-    for name in ("concurrency", "num_prompts", "max_tokens"):
-        if getattr(args, name) < 1:
-            print(f"tandem bench serve: --{name.replace('_', '-')} must be at least 1", file=sys.stderr)
+    positive = {"serve": ("concurrency", "num_prompts", "max_tokens", "hf_startup_timeout"),
+                "offline": ("num_prompts", "max_tokens", "repeats", "input_len", "hf_batch_size")}[args.bench]
+    for name in positive:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            print(f"tandem bench {args.bench}: --{name.replace('_', '-')} must be at least 1, got {value}",
+                  file=sys.stderr)
             return 2
-    prompts = serve.bench_prompts(args.num_prompts)
-    results = [serve.run_bench(url, args.model, prompts, args.concurrency, args.max_tokens)
-               for url in [args.url] + ([args.vs] if args.vs else [])]
-    print(serve.report(results))
+    return _bench_offline(args) if args.bench == "offline" else _bench_serve(args)
+
+
+def _bench_offline(args: argparse.Namespace) -> int:
+    from tandem.bench import offline
+
+    result = offline.run_offline(EngineArgs.from_cli_args(args), args.num_prompts, args.max_tokens, args.input_len,
+                                 args.vs == "hf", args.hf_batch_size, args.repeats)
+    print(offline.report(result))
     if args.output_json:
-        Path(args.output_json).write_text(serve.results_json(results) + "\n")
+        Path(args.output_json).write_text(offline.results_json(result) + "\n")
+    return 0
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from tandem.bench import hf_peer, serve
+    from tandem.bench.prompts import bench_prompts
+
+    if args.vs == "hf" and args.ignore_eos:
+        print("tandem bench serve: --ignore-eos cannot go with --vs hf: transformers serve rejects the field "
+              "(HTTP 422); greedy decoding of one model stops at the same EOS on both servers", file=sys.stderr)
+        return 2
+    ignore_eos = args.ignore_eos if args.ignore_eos is not None else args.vs != "hf"
+    hf = hf_peer.HFPeerConfig(args.hf_model, args.hf_dtype, args.hf_continuous_batching, args.hf_startup_timeout)
+    try:
+        bench = serve.bench_serve(args.url, args.model, args.vs, hf, bench_prompts(args.num_prompts),
+                                  args.concurrency, args.max_tokens, ignore_eos)
+    except hf_peer.PeerError as e:
+        print(f"tandem bench serve: {e}", file=sys.stderr)
+        return 1
+    print(serve.report(bench["results"]))
+    if args.output_json:
+        Path(args.output_json).write_text(serve.results_json(bench) + "\n")
     return 0
 
 

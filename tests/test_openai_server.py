@@ -428,3 +428,48 @@ def test_vllm_extra_sampling_parameters_and_version(server, tiny_checkpoints):
     assert longer.usage.completion_tokens == 8
     version = json.loads(urllib.request.urlopen(url + "/version").read())
     assert isinstance(version["version"], str) and version["version"]
+
+
+def test_a_killed_rank_fails_open_streams_and_ends_the_server(tiny_checkpoints):
+    import os
+    import subprocess
+    import sys
+
+    path = str(tiny_checkpoints("llama"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "tandem.entrypoints.cli", "serve", path, "-pcp", "2",
+                             "--dtype", "float32", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1)
+                break
+            except OSError:
+                assert proc.poll() is None, proc.stderr.read().decode()[-2000:] if proc.stderr else ""
+                time.sleep(0.1)
+        ranks = [pid for kid in _children(proc.pid) for pid in [kid, *_children(kid)]]
+        body = json.dumps({"prompt": "hello", "max_tokens": 500, "ignore_eos": True, "stream": True}).encode()
+        resp = urllib.request.urlopen(urllib.request.Request(url + "/v1/completions", data=body,
+                                                             headers={"Content-Type": "application/json"}))
+        assert resp.readline().startswith(b"data: ")  # tokens are flowing
+        victim = next(pid for pid in ranks  # a rank, not multiprocessing's resource tracker
+                      if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes())
+        os.kill(victim, 9)
+        start = time.monotonic()
+        events = [line.decode() for line in resp if line.startswith(b"data: ")]
+        assert time.monotonic() - start < 60
+        assert any('"error"' in e and "engine stopped" in e for e in events), events[-3:]
+        assert proc.wait(timeout=60) == 1
+        stderr = proc.stderr.read().decode() if proc.stderr else ""
+        assert "engine stopped" in stderr and "rank" in stderr, stderr[-2000:]
+        deadline = time.monotonic() + 30
+        while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [pid for pid in ranks if _alive(pid)], "a rank outlived the server"
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
 from tandem.entrypoints.engine_args import EngineArgs
-from tandem.entrypoints.openai.async_engine import AsyncEngine
+from tandem.entrypoints.openai.async_engine import AsyncEngine, EngineStopped
 from tandem.entrypoints.openai.prometheus import render_metrics
 from tandem.entrypoints.openai.serving import BadRequest, respond
 from tandem.sampling_params import SamplingParams
@@ -82,6 +82,10 @@ def build_app(engine: AsyncEngine, served_model_name: str, model_path: str) -> F
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         return _error(f"invalid request: {where or 'body'}: {first.get('msg', 'malformed')}")
+
+    @app.exception_handler(EngineStopped)
+    async def _stopped(_request: Request, exc: EngineStopped) -> JSONResponse:
+        return _error(str(exc), 500)
 
     @app.exception_handler(BadRequest)
     async def _bad(_request: Request, exc: BadRequest) -> JSONResponse:
@@ -193,7 +197,14 @@ def run_server(args: EngineArgs, host: str, port: int, served_model_name: str | 
     # handlers in place that re-raise becomes SystemExit, so the `finally` below still stops the ranks.
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _exit_cleanly)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",
+                                           timeout_graceful_shutdown=10))
+    # As vLLM does, a dead engine (a rank gone) takes the server down, so a supervisor sees the process exit;
+    # the open streams have already received the error.
+    engine.on_error = lambda _e: setattr(server, "should_exit", True)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="info")
+        server.run()
     finally:
         engine.shutdown()
+    if engine.error is not None:
+        raise SystemExit(f"tandem serve: {engine.error}")

@@ -13,7 +13,7 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +25,10 @@ from tandem.entrypoints.engine_args import EngineArgs
 from tandem.entrypoints.openai.prometheus import Histogram
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
+
+
+class EngineStopped(RuntimeError):
+    """The engine thread has died (a dead rank, a bug); no request can run any more."""
 
 
 @dataclass
@@ -54,6 +58,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.error: BaseException | None = None
+        self.on_error: Callable[[BaseException], None] | None = None  # called on the engine thread when it dies
         self._metrics: list[Metric] = self.engine.get_metrics()
         # request latencies, observed on the event loop as the deltas arrive
         self.ttft = Histogram("tandem:time_to_first_token_seconds")
@@ -67,7 +72,7 @@ class AsyncEngine:
                        request_id: str | None = None) -> AsyncIterator[Delta]:
         """Deltas of one request; closing or cancelling the iteration (a client that went away) aborts it."""
         if self.error is not None:
-            raise RuntimeError(f"the engine stopped: {self.error}")
+            raise EngineStopped(f"the engine stopped: {self.error}")
         request_id = request_id or f"req-{next(self._ids)}"
         out: asyncio.Queue[Delta] = asyncio.Queue()
         self._inbox.put(("add", (request_id, prompt, params, asyncio.get_running_loop(), out)))
@@ -127,6 +132,8 @@ class AsyncEngine:
                 failed = RequestOutput(request_id, None, [], [], finished=True, error=f"the engine stopped: {e}")
                 st.loop.call_soon_threadsafe(st.out.put_nowait, Delta([], failed))
             self._streams.clear()
+            if self.on_error is not None:
+                self.on_error(e)
 
     def _drain_inbox(self) -> bool:
         """Apply queued submissions and aborts; True when there were any."""

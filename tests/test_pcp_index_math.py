@@ -12,7 +12,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.worker.pcp import PCPPartition, local_metadata, pad_local, partition, restore
+from tandem.worker.pcp import (
+    PCPPartition,
+    local_metadata,
+    pad_local,
+    partition,
+    restore,
+    restore_rows,
+    row_gather,
+    select_rows,
+)
 
 PCP_SIZES = [1, 2, 3, 4, 8]
 
@@ -214,3 +223,18 @@ def test_pad_local_and_restore_reject_wrong_sizes() -> None:
         pad_local(torch.zeros(part.max_local_tokens + 1, 2), part)
     with pytest.raises(ValueError, match="pcp_size \\* max_local_tokens"):
         restore(torch.zeros(3, 2), part)
+
+
+@settings(max_examples=150, deadline=None)
+@given(batches(), st.data())
+def test_restore_rows_equals_restore_then_index(b: Batch, data: st.DataObject) -> None:
+    part = _partition(b)
+    x = torch.randn(b.num_tokens + b.num_padding, 3)
+    x[b.num_tokens:] = 0
+    rows = np.array(data.draw(st.lists(st.integers(0, b.num_tokens + b.num_padding - 1), max_size=20)),
+                    dtype=np.int64)
+    plan = row_gather(part, rows)
+    shares = torch.cat([select_rows(x[: b.num_tokens][torch.from_numpy(idx)], plan, r)
+                        for r, idx in enumerate(part.local_token_idx)])  # what the all-gather concatenates
+    assert plan.max_rows <= len(rows)  # never more than the requested rows per rank
+    torch.testing.assert_close(restore_rows(shares, plan), x[torch.from_numpy(rows)], rtol=0, atol=0)

@@ -67,7 +67,7 @@ class DSparkProposer:
         self.drafter.write_context(aux_hidden, batch.positions, batch.slot_mapping)
 
     @torch.inference_mode()
-    def propose(self, plan: StepPlan, batch: InputBatch, hidden: torch.Tensor, emitted: list[list[int]],
+    def propose(self, plan: StepPlan, batch: InputBatch, hidden: torch.Tensor | None, emitted: list[list[int]],
                 k: int) -> tuple[list[list[int]], list[torch.Tensor] | None]:
         """-> (K drafts per sampling row, and for probabilistic drafting each row's draft distributions [K, V]).
         `hidden` (the target's final states) is unused: DSpark reads the layer outputs given to write_context."""

@@ -48,28 +48,35 @@ class MTPProposer:
         self.padded_size = padded_size  # PIECEWISE: draft decodes of S rows run at this many tokens
 
     @torch.inference_mode()
-    def propose(self, plan: StepPlan, batch: InputBatch, hidden: torch.Tensor, emitted: list[list[int]],
+    def propose(self, plan: StepPlan, batch: InputBatch, hidden: torch.Tensor | None, emitted: list[list[int]],
                 k: int, sharded: ShardedStep | None = None) -> tuple[list[list[int]], list[torch.Tensor] | None]:
         """hidden: [T, H] the target's final-normed states in global order -> (K drafts per sampling
         row, and for probabilistic drafting each row's draft distributions [K, V]). With `sharded`, draft
-        step 0 runs on this rank's PCP segments instead of the whole global batch."""
+        step 0 runs on this rank's PCP segments instead of the whole global batch (and `hidden` is unused:
+        the rank-local states come with `sharded`)."""
         # The draft decodes' key bound comes from THIS step's global batch, before any draft metadata is built
         # (the seed PR's review finding: a bound kept from the previous proposal misses a request that just
         # accepted all K drafts plus its bonus token).
         max_seq_len = draft_max_seq_len(batch, k, self.max_model_len)
         shifted, last_idx = self._shifted_ids(plan, batch, emitted)  # global: a next token may be remote
         if sharded is None:
+            assert hidden is not None, "replicated MTP drafting needs the target's global hidden states"
             meta = global_attention_metadata(batch, self.block_size)
             with forward_context(meta, self.backends):
                 h_logits, h_feedback = self.mtp(shifted, batch.positions, hidden, 0)  # [T, H] each
         else:
-            h_logits, h_feedback = self._sharded_step0(shifted, sharded)
+            h_logits, h_feedback = self._sharded_step0(shifted, sharded)  # [T_r, H] each
         if k == 0 or not last_idx:
             return [[] for _ in last_idx], None  # step 0 only kept the MTP layer's KV up to date
+        if sharded is None:
+            h_logits, feedback = h_logits[last_idx], h_feedback[last_idx]  # [S, H] each
+        else:  # only the S rows that draft cross ranks
+            h_logits = sharded.pcp.maybe_restore_rows(h_logits, last_idx)
+            feedback = sharded.pcp.maybe_restore_rows(h_feedback, last_idx)
         positions = batch.positions[last_idx]  # [S] position of each row's last valid token
-        tokens, probs = sample_draft(self.mtp.compute_logits(h_logits[last_idx], 0), batch.sampling, positions + 2,
+        tokens, probs = sample_draft(self.mtp.compute_logits(h_logits, 0), batch.sampling, positions + 2,
                                      self.probabilistic)
-        drafts, draft_probs, feedback = [tokens], [probs], h_feedback[last_idx]
+        drafts, draft_probs = [tokens], [probs]
         num_rows = len(last_idx)
         for step in range(1, k):
             step_pos = positions + step
@@ -105,12 +112,11 @@ class MTPProposer:
 
     def _sharded_step0(self, shifted: torch.Tensor, step: ShardedStep) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft step 0 on the rank-local segments, reusing the target's local metadata and PCP buffers;
-        the outputs are restored to global order before sampling."""
+        the caller gathers the sampling rows of the [T_r, H] outputs in global order."""
         local, pcp = step.local, step.pcp
         ids = shifted if local.token_idx is None else shifted[local.token_idx]  # [T_r]
         with forward_context(local.attn_metadata, self.backends, pcp.gather_kv):
-            h_logits, h_feedback = self.mtp(ids, local.positions, step.hidden_local, 0)  # [T_r, H] each
-        return pcp.maybe_restore(h_logits), pcp.maybe_restore(h_feedback)
+            return self.mtp(ids, local.positions, step.hidden_local, 0)  # [T_r, H] each
 
     def _shifted_ids(self, plan: StepPlan, batch: InputBatch,
                      emitted: list[list[int]]) -> tuple[torch.Tensor, list[int]]:

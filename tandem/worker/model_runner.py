@@ -39,6 +39,9 @@ class ModelRunner:
         self.num_padding_tokens = 0  # padding tokens run so far (tests read it)
         self.warmed_up_sizes: list[int] = []
         self.proposer = self._build_proposer()
+        # Only replicated MTP drafting reads the target's hidden state at every global token; otherwise just the
+        # logits rows are gathered from the PCP ranks.
+        self._drafts_from_global_hidden = isinstance(self.proposer, MTPProposer) and self.draft_mode.mode != "sharded"
         # distributions the last proposal's drafts were sampled from, per request (probabilistic drafting)
         self.draft_probs: dict[str, torch.Tensor] | None = (
             {} if self.proposer is not None and spec.draft_sample_method == "probabilistic" else None)
@@ -107,10 +110,18 @@ class ModelRunner:
             hidden = self.model(local.input_ids, local.positions)  # [T_local, hidden]
         if batch.num_padding and local.token_idx is None:  # PCP size 1: padding ran with the batch
             hidden = hidden.masked_fill(batch.is_padding[:, None], 0)
-        # under PCP, padding is on no rank and restore() gives it zero rows
-        hidden_local, hidden = hidden, self.pcp.maybe_restore(hidden)  # [T_global(+padding), hidden]
+        hidden_local = hidden
+        if self._drafts_from_global_hidden:
+            # under PCP, padding is on no rank and restore() gives it zero rows
+            hidden = self.pcp.maybe_restore(hidden)  # [T_global(+padding), hidden]
+            logits_hidden = hidden[batch.logits_indices] if batch.sampling is not None else None
+        else:
+            # only the rows whose logits are computed cross ranks, not every prompt token's hidden state
+            hidden = None
+            logits_hidden = self.pcp.maybe_restore_rows(hidden_local, batch.logits_indices) \
+                if batch.sampling is not None else None
         self._maybe_write_draft_context(batch)
-        emitted, logprobs = self._verify_or_sample(plan, batch, hidden)
+        emitted, logprobs = self._verify_or_sample(plan, batch, logits_hidden)
         sharded = ShardedStep(local, hidden_local, self.pcp) if self.draft_mode.mode == "sharded" else None
         drafts = self._propose(plan, batch, hidden, emitted, sharded)
         confidence = (0.0, 0)
@@ -127,11 +138,12 @@ class ModelRunner:
                 aux = aux.masked_fill(batch.is_padding[:, None], 0)
             self.proposer.write_context(batch, aux)
 
-    def _verify_or_sample(self, plan: StepPlan, batch: InputBatch,
-                          hidden: torch.Tensor) -> tuple[list[list[int]], list[list[dict[int, float]] | None]]:
-        if batch.sampling is None:
+    def _verify_or_sample(self, plan: StepPlan, batch: InputBatch, logits_hidden: torch.Tensor | None
+                          ) -> tuple[list[list[int]], list[list[dict[int, float]] | None]]:
+        """logits_hidden: [sum_i (K_i + 1), H] the target's states at batch.logits_indices."""
+        if batch.sampling is None or logits_hidden is None:
             return [], []
-        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [sum_i (K_i + 1), vocab] float32
+        logits = self.model.compute_logits(logits_hidden)  # [sum_i (K_i + 1), vocab] float32
         emitted = self._emit(plan, batch, logits)
         return emitted, self._logprobs(batch, logits, emitted)
 
@@ -148,7 +160,7 @@ class ModelRunner:
                                       batch.sampling)
         return emitted
 
-    def _propose(self, plan: StepPlan, batch: InputBatch, hidden: torch.Tensor, emitted: list[list[int]],
+    def _propose(self, plan: StepPlan, batch: InputBatch, hidden: torch.Tensor | None, emitted: list[list[int]],
                  sharded: ShardedStep | None) -> list[list[int]]:
         if isinstance(self.proposer, MTPProposer):
             # MTP's step 0 runs on every step, sampling or not, so its own KV covers the whole context

@@ -153,3 +153,46 @@ def restore(gathered: torch.Tensor, part: PCPPartition) -> torch.Tensor:
     if part.num_padding:
         out = out.masked_fill((idx < 0).view(-1, *([1] * (out.dim() - 1))), 0)
     return out
+
+
+@dataclass(frozen=True)
+class RowGather:
+    """How to gather only some global rows (the rows whose logits are computed, or the drafter's last
+    tokens) instead of restoring all of them: each rank sends just the requested rows it holds."""
+
+    local_rows: tuple[np.ndarray, ...]  # per rank: [m_r] int64 local index of each requested row it sends
+    max_rows: int  # max over ranks of m_r; every rank pads to it before the all-gather
+    out_idx: np.ndarray  # [len(rows)] int64 index into the gathered [P * max_rows] space; padding row -> -1
+
+
+def row_gather(part: PCPPartition, rows: np.ndarray) -> RowGather:
+    """Requested global rows -> who sends which local row. Each row comes from the copy restore() would take
+    (a prefill token's owner, a decode token's rank-0 copy), so restore_rows(...) == restore(...)[rows]."""
+    src = part.restore_idx[np.asarray(rows, dtype=np.int64)]  # [n] index into the full gathered space
+    owner = np.where(src >= 0, src // max(part.max_local_tokens, 1), -1)
+    picks = [np.flatnonzero(owner == r) for r in range(part.pcp_size)]  # positions in `rows` rank r sends
+    max_rows = max(len(p) for p in picks)
+    out_idx = np.full(len(src), -1, dtype=np.int64)
+    for r, pick in enumerate(picks):
+        out_idx[pick] = r * max_rows + np.arange(len(pick))
+    local_rows = tuple(src[pick] - r * part.max_local_tokens for r, pick in enumerate(picks))
+    return RowGather(local_rows, max_rows, out_idx)
+
+
+def select_rows(x_local: torch.Tensor, plan: RowGather, rank: int) -> torch.Tensor:
+    """[T_r, ...] -> [max_rows, ...] this rank's share of the requested rows, zero-padded."""
+    idx = torch.from_numpy(plan.local_rows[rank]).to(x_local.device)
+    rows = x_local[idx]
+    num_pad = plan.max_rows - rows.shape[0]
+    return torch.cat([rows, rows.new_zeros((num_pad, *rows.shape[1:]))]) if num_pad else rows
+
+
+def restore_rows(gathered: torch.Tensor, plan: RowGather) -> torch.Tensor:
+    """[P * max_rows, ...] all-gathered shares -> [len(rows), ...] in request order, zero rows for padding."""
+    if plan.max_rows == 0:  # nothing but padding rows was asked for
+        return gathered.new_zeros((len(plan.out_idx), *gathered.shape[1:]))
+    idx = torch.from_numpy(plan.out_idx).to(gathered.device)
+    out = gathered[idx.clamp(min=0)]
+    if (plan.out_idx < 0).any():
+        out = out.masked_fill((idx < 0).view(-1, *([1] * (out.dim() - 1))), 0)
+    return out

@@ -14,7 +14,16 @@ import torch
 from tandem.attention.metadata import AttentionMetadata, build_attention_metadata
 from tandem.distributed.groups import Group
 from tandem.worker.input_batch import InputBatch, global_attention_metadata
-from tandem.worker.pcp import PCPPartition, local_metadata, pad_local, partition, restore
+from tandem.worker.pcp import (
+    PCPPartition,
+    local_metadata,
+    pad_local,
+    partition,
+    restore,
+    restore_rows,
+    row_gather,
+    select_rows,
+)
 
 
 @dataclass
@@ -66,4 +75,14 @@ class PCPHooks:
         if self.part is None:
             return hidden
         return restore(self.pcp.all_gather(pad_local(hidden, self.part)), self.part)
+
+    def maybe_restore_rows(self, hidden: torch.Tensor, rows: torch.Tensor | list[int]) -> torch.Tensor:
+        """[T_r, H] local hidden states -> [len(rows), H], the given global rows only: the all-gather moves
+        P * max-rows-per-rank rows instead of P * T_r (logits need one row per sampled token, not the prompt)."""
+        if self.part is None:
+            return hidden[rows]
+        plan = row_gather(self.part, torch.as_tensor(rows).cpu().numpy())
+        if plan.max_rows == 0:  # no rows, or padding rows only: every rank knows it, so none all-gathers
+            return hidden.new_zeros((len(plan.out_idx), *hidden.shape[1:]))
+        return restore_rows(self.pcp.all_gather(select_rows(hidden, plan, self.pcp.rank)), plan)
 

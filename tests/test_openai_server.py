@@ -334,7 +334,7 @@ def test_bench_serve_measures_a_server_and_a_peer(server, capsys, tmp_path):
     assert code == 0
     out = capsys.readouterr().out
     assert "| server | req/s | output tok/s | TTFT p50 / p90 / p99 ms" in out and "x" in out.splitlines()[-1]
-    rows = json.loads((tmp_path / "b.json").read_text())
+    rows = json.loads((tmp_path / "b.json").read_text())["results"]
     assert len(rows) == 2 and all(r["output_tokens"] == 8 * 6 and r["ttft_s"]["p50"] > 0 for r in rows)
 
 

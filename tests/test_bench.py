@@ -1,7 +1,7 @@
 """`tandem bench offline` and `tandem bench serve --vs hf` end to end on a tiny random Llama: both engines (or
-servers) produce the same greedy tokens and the report and JSON carry both; bad numbers exit 2 naming the flag;
-a Hugging Face peer that dies at start-up is reported with the end of its log; continuous batching only for
-non-MLA checkpoints; prefix caching off when timed runs repeat prompts."""
+servers) produce the same greedy tokens and the report and JSON carry both. Also: bad numbers exit 2 naming the
+flag; a server that is down exits 1 naming it; a Hugging Face peer that dies at start-up is reported with the end
+of its log; continuous batching only for non-MLA checkpoints; prefix caching off when timed runs repeat prompts."""
 
 from __future__ import annotations
 
@@ -98,6 +98,15 @@ def test_bad_flag_exits_2_naming_it(argv, flag, capsys):
     assert cli.main(["bench", *argv]) == 2
     err = capsys.readouterr().err
     assert flag in err, err
+
+
+def test_serve_against_a_server_that_is_down_exits_1_naming_it(capsys):
+    with socket.socket() as s:  # a port nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    assert cli.main(["bench", "serve", "--url", url, "--num-prompts", "1"]) == 1
+    err = capsys.readouterr().err
+    assert url in err, err
 
 
 def test_hf_peer_that_dies_at_startup_shows_its_log(tmp_path):

@@ -81,9 +81,12 @@ def one_request(url: str, model: str | None, prompt: str, max_tokens: int, ignor
     if model:
         body["model"] = model
     start = time.perf_counter()
-    conn.request("POST", parts.path.rstrip("/") + "/v1/completions", json.dumps(body),
-                 {"Content-Type": "application/json"})
-    resp = conn.getresponse()
+    try:
+        conn.request("POST", parts.path.rstrip("/") + "/v1/completions", json.dumps(body),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+    except OSError as e:
+        raise RuntimeError(f"{url}: {e}") from e
     if resp.status != 200:
         raise RuntimeError(f"{url}: HTTP {resp.status}: {resp.read()[:300]!r}")
     chunk_times, texts, tokens = [], [], None

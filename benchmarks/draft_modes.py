@@ -33,17 +33,20 @@ MODES = {"no drafter": None, "sharded": MTP, "replicated": {**MTP, "attention_ba
 
 
 def extra_bytes(config: dict, prompt_len: int, budget: int, pcp: int, mode: str) -> int:
-    """Bytes all-gathered over the PCP group by draft prefill, beyond what the target already moves.
-    Sharded, per prefill step: the MTP layer's latent K/V (P * max_local * (kv_lora + rope) * 4) and the restore
-    of step 0's two outputs (2 * P * max_local * hidden * 4). Replicated: nothing (it reads the target's restored
-    hidden states, which the target gathers anyway for its logits, and computes every token on every rank)."""
-    if mode != "sharded":
-        return 0
+    """Bytes all-gathered over the PCP group by draft prefill, beyond what the target already moves (the target
+    itself gathers only its logits rows). Sharded, per prefill step: the MTP layer's latent K/V
+    (P * max_local * (kv_lora + rope) * 4) and step 0's two outputs at the one drafting row (2 * P * hidden * 4,
+    last chunk only). Replicated: the restore of every target hidden state it drafts from
+    (P * max_local * hidden * 4), then every token on every rank."""
     elem = 4  # float32 compute
-    per_token = (config["kv_lora_rank"] + config["qk_rope_head_dim"] + 2 * config["hidden_size"]) * elem
     chunks = [min(budget, prompt_len - s) for s in range(0, prompt_len, budget)]
-    return sum(pcp * partition(np.array([0, n]), np.array([True]), pcp).max_local_tokens * per_token
-               for n in chunks)
+    max_local = [partition(np.array([0, n]), np.array([True]), pcp).max_local_tokens for n in chunks]
+    if mode == "sharded":
+        kv = (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * elem
+        return sum(pcp * m * kv for m in max_local) + 2 * pcp * config["hidden_size"] * elem
+    if mode == "replicated":
+        return sum(pcp * m * config["hidden_size"] * elem for m in max_local)
+    return 0
 
 
 def ttft(model: Path, ids: list[int], pcp: int, budget: int, spec: dict | None, repeats: int) -> tuple[float, str]:

@@ -31,8 +31,9 @@ GATHER_FORMULA = (
     "per step: K/V all-gather per layer = P * max_local_tokens * kv_bytes_per_token, where every rank pads its "
     "local tokens to max_local_tokens = max over ranks of (its DualChunkSwap chunks of ceil(L / 2P) tokens) and "
     "kv_bytes_per_token = 2 * num_kv_heads * head_dim * dtype_bytes (GQA: K and V concatenated) or "
-    "(kv_lora_rank + qk_rope_head_dim) * dtype_bytes (MLA latent); hidden-state restore all-gather = "
-    "P * max_local_tokens * hidden_size * dtype_bytes once per step (after the last layer). Each rank sends "
+    "(kv_lora_rank + qk_rope_head_dim) * dtype_bytes (MLA latent); after the last layer only the rows whose "
+    "logits are computed are gathered: P * 1 * hidden_size * dtype_bytes on the prompt's last step (its one "
+    "sampled row; each rank pads to the most rows any rank sends), nothing on the earlier steps. Each rank sends "
     "1/P of the gathered tensor and receives (P - 1)/P of it. Summed over the prompt's prefill steps."
 )
 
@@ -44,7 +45,7 @@ class GatherBytes:
     kv_bytes_per_token: int
     hidden_bytes_per_token: int
     kv_per_layer: int  # K/V all-gather bytes of one layer, summed over steps
-    restore_total: int  # hidden-state restore all-gather bytes, summed over steps (once per step, not per layer)
+    restore_total: int  # logits-row all-gather bytes, summed over steps (once per step, not per layer)
     total: int  # kv_per_layer * num_layers + restore_total
 
 
@@ -65,7 +66,7 @@ def gather_bytes(config: dict, prompt_len: int, batched_tokens: int, pcp_size: i
     chunks = [min(batched_tokens, prompt_len - start) for start in range(0, prompt_len, batched_tokens)]
     max_local = [partition(np.array([0, n]), np.array([True]), pcp_size).max_local_tokens for n in chunks]
     kv_per_layer = sum(pcp_size * m * kv_per_token for m in max_local)
-    restore_total = sum(pcp_size * m * hidden_per_token for m in max_local)
+    restore_total = pcp_size * hidden_per_token  # the last step's one sampled row; earlier steps sample nothing
     return GatherBytes(chunk_lens=chunks, max_local_tokens=max_local, kv_bytes_per_token=kv_per_token,
                        hidden_bytes_per_token=hidden_per_token, kv_per_layer=kv_per_layer,
                        restore_total=restore_total,

@@ -140,3 +140,23 @@ def test_offline_random_prompts_repeated_runs_turn_prefix_caching_off(tiny_check
     assert result["prompt_lens"] == [24, 24, 24] and result["config"]["prefix_caching"] is False, result["config"]
     assert "prefix caching off: 2 timed runs repeat the prompts" in printed, printed
     assert len(result["results"]) == 1 and len(result["results"][0]["wall_s"]) == 2, result["results"]
+
+
+def test_serve_with_random_prompts_of_a_given_length(llama_server, tiny_checkpoints, tmp_path, capsys):
+    from tokenizers import Tokenizer
+
+    from tandem.bench.prompts import random_text_prompts
+
+    out = tmp_path / "random.json"
+    rc = cli.main(["bench", "serve", "--url", llama_server, "--input-len", "24", "--num-prompts", "3",
+                   "--concurrency", "3", "--max-tokens", "4", "--seed", "7", "--output-json", str(out)])
+    assert rc == 0, capsys.readouterr()
+    bench = json.loads(out.read_text())
+    assert bench["config"]["prompts"] == "24 random token ids each, decoded (seed 7)"
+    assert bench["results"][0]["output_tokens"] == 3 * 4
+    folder = str(tiny_checkpoints("llama"))  # what the server reports as its root
+    prompts = random_text_prompts(folder, 3, 24, 7)
+    assert len(set(prompts)) == 3 and prompts == random_text_prompts(folder, 3, 24, 7)
+    tok = Tokenizer.from_file(f"{folder}/tokenizer.json")
+    lens = [len(tok.encode(p, add_special_tokens=False).ids) for p in prompts]
+    assert all(abs(n - 24) <= 2 for n in lens), lens  # re-tokenized text comes out at about the asked length

@@ -74,6 +74,11 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--concurrency", type=int, default=32)
     s.add_argument("--num-prompts", type=int, default=128)
     s.add_argument("--max-tokens", type=int, default=64)
+    s.add_argument("--input-len", type=int, default=None,
+                   help="prompts decoded from this many random token ids (seeded by --seed) instead of GSM8K "
+                        "questions; the tokenizer is --tokenizer, else the --url server's model folder")
+    s.add_argument("--tokenizer", default=None, help="--input-len: a model folder with tokenizer.json")
+    s.add_argument("--seed", type=int, default=0, help="--input-len: the random prompts' seed")
     s.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
                    help="send ignore_eos (default: yes, except with --vs hf: transformers serve rejects the field)")
     s.add_argument("--hf-model", default=None,
@@ -97,7 +102,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    positive = {"serve": ("concurrency", "num_prompts", "max_tokens", "hf_startup_timeout"),
+    positive = {"serve": ("concurrency", "num_prompts", "max_tokens", "hf_startup_timeout", "input_len"),
                 "offline": ("num_prompts", "max_tokens", "repeats", "input_len", "hf_batch_size")}[args.bench]
     for name in positive:
         value = getattr(args, name)
@@ -121,7 +126,7 @@ def _bench_offline(args: argparse.Namespace) -> int:
 
 def _bench_serve(args: argparse.Namespace) -> int:
     from tandem.bench import hf_peer, serve
-    from tandem.bench.prompts import bench_prompts
+    from tandem.bench.prompts import bench_prompts, random_text_prompts
 
     if args.vs == "hf" and args.ignore_eos:
         print("tandem bench serve: --ignore-eos cannot go with --vs hf: transformers serve rejects the field "
@@ -130,8 +135,15 @@ def _bench_serve(args: argparse.Namespace) -> int:
     ignore_eos = args.ignore_eos if args.ignore_eos is not None else args.vs != "hf"
     hf = hf_peer.HFPeerConfig(args.hf_model, args.hf_dtype, args.hf_continuous_batching, args.hf_startup_timeout)
     try:
-        bench = serve.bench_serve(args.url, args.model, args.vs, hf, bench_prompts(args.num_prompts),
+        if args.input_len is None:
+            prompts = bench_prompts(args.num_prompts)
+        else:
+            folder = args.tokenizer or args.hf_model or hf_peer.served_model_root(args.url)
+            prompts = random_text_prompts(folder, args.num_prompts, args.input_len, args.seed)
+        bench = serve.bench_serve(args.url, args.model, args.vs, hf, prompts,
                                   args.concurrency, args.max_tokens, ignore_eos)
+        bench["config"]["prompts"] = "GSM8K test questions" if args.input_len is None else \
+            f"{args.input_len} random token ids each, decoded (seed {args.seed})"
     except RuntimeError as e:  # a server that is down, answers an error or fails a stream; a failed HF peer
         print(f"tandem bench serve: {e}", file=sys.stderr)
         return 1

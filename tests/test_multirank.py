@@ -25,6 +25,8 @@ LAYOUTS = {
     "tp2": {"tensor_parallel_size": 2},
     "tp2xpcp2": {"tensor_parallel_size": 2, "prefill_context_parallel_size": 2},
     "ep_pcp2": {"prefill_context_parallel_size": 2, "enable_expert_parallel": True},
+    # TP peers hold the same tokens: each sends the experts only its 1/TP share of them
+    "ep_tp2xpcp2": {"tensor_parallel_size": 2, "prefill_context_parallel_size": 2, "enable_expert_parallel": True},
 }
 # Several prompts exceed the 32-token budget, so PCP segments start mid-prompt.
 PROMPT_LENGTHS = [3, 9, 17, 30, 45, 64, 77, 120]

@@ -100,13 +100,17 @@ class FusedMoE(nn.Module):
     parallelism inside the experts, as in vLLM. The weight loader takes per-expert checkpoint tensors with
     shard id (expert_id, "gate" | "up" | "down") and ignores experts another EP rank owns, so a missing
     expert is reported by the rank that owns it. Under EP the tokens of every rank are gathered (PCP ranks
-    hold different ones) and the output is complete; under TP it is summed over `tp` only when
+    hold different ones; TP peers, which hold the same ones, each send a 1/TP share) and the output is
+    complete; under TP it is summed over `tp` only when
     `reduce_results` (the caller may add the shared experts' partial sums first and reduce once).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp: Group = SINGLE,
-                 ep: Group = SINGLE, reduce_results: bool = True):
+                 ep: Group = SINGLE, reduce_results: bool = True, token_split: Group = SINGLE):
         super().__init__()
+        # Under EP, the ranks of `token_split` (the TP peers) hold the same tokens: each sends only its 1/size
+        # share to the experts, so no token is computed twice.
+        self.token_split = token_split
         if tp.size > 1 and ep.size > 1:
             raise ValueError(f"experts split over tensor_parallel_size {tp.size} and expert parallel size "
                              f"{ep.size} at once; expert parallel experts take tp=SINGLE")
@@ -151,15 +155,24 @@ class FusedMoE(nn.Module):
     def _expert_parallel(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         # EP ranks may hold different tokens (PCP shards them): gather every rank's tokens (padded to the
         # longest, padding routed with weight 0), run the local experts over all of them, sum the partial
-        # outputs over `ep`, keep this rank's slice. gloo has no reduce-scatter, so all-reduce + slice.
-        n = x.shape[0]
-        m = int(self.ep.all_gather(torch.tensor([n], device=x.device)).max())
-        xs = self.ep.all_gather(F.pad(x, (0, 0, 0, m - n)))  # [ep * m, H]
-        ws = self.ep.all_gather(F.pad(topk_weights, (0, 0, 0, m - n)))  # [ep * m, K]
-        ids = self.ep.all_gather(F.pad(topk_ids, (0, 0, 0, m - n)))  # [ep * m, K]
-        out = self.ep.all_reduce(self._experts(xs, ws, ids))
-        start = self.ep.rank * m
-        return out[start:start + n]
+        # outputs over `ep`, keep this rank's tokens. gloo has no reduce-scatter, so all-reduce + slice.
+        # TP peers (token_split, consecutive EP ranks: TP is the fastest rank axis) share their tokens, so each
+        # contributes one contiguous 1/TP share and reassembles the whole set from its peers' shares.
+        n, split = x.shape[0], self.token_split
+        share = -(-n // split.size)  # ceil: rows per TP peer
+        lo = min(split.rank * share, n)
+        mine = slice(lo, min(lo + share, n))
+        m = int(self.ep.all_gather(torch.tensor([share], device=x.device)).max())
+
+        def gathered(t: torch.Tensor) -> torch.Tensor:  # [rows, D] -> [ep * m, D]
+            part = t[mine]
+            return self.ep.all_gather(F.pad(part, (0, 0, 0, m - part.shape[0])))
+
+        out = self.ep.all_reduce(self._experts(gathered(x), gathered(topk_weights), gathered(topk_ids)))
+        first_peer = self.ep.rank - split.rank  # the EP rank of TP rank 0 in this rank's group
+        pieces = [out[(first_peer + t) * m:(first_peer + t) * m + max(0, min(share, n - t * share))]
+                  for t in range(split.size)]
+        return torch.cat(pieces)  # [n, H]
 
     def _experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         # Sort the T*K (token, choice) pairs by local expert, then run each expert once on its rows.

@@ -88,7 +88,8 @@ class DeepseekV3MoE(nn.Module):
         # Expert parallelism replaces TP inside the experts: whole experts per rank, summed over `ep`.
         experts_tp = groups.tp if groups.ep.size == 1 else SINGLE
         self.experts = FusedMoE(hf.n_routed_experts, hf.hidden_size, hf.moe_intermediate_size, experts_tp,
-                                groups.ep, reduce_results=False)
+                                groups.ep, reduce_results=False,
+                                token_split=groups.tp if groups.ep.size > 1 else SINGLE)
         n_shared = getattr(hf, "n_shared_experts", 0) or 0
         self.shared_experts = (GatedMLP(hf.hidden_size, hf.moe_intermediate_size * n_shared, groups.tp,
                                         reduce_results=False) if n_shared else None)

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
-import time
-import urllib.request
 
 import pytest
+from server_utils import server_in_thread
 
 from tandem.bench import hf_peer, offline
 from tandem.entrypoints import cli
@@ -41,31 +39,8 @@ NAME = "tiny-llama"
 
 @pytest.fixture(scope="module")
 def llama_server(tiny_checkpoints):
-    import uvicorn
-
-    from tandem.entrypoints.openai.api_server import build_app
-    from tandem.entrypoints.openai.async_engine import AsyncEngine
-
-    path = str(tiny_checkpoints("llama"))
-    engine = AsyncEngine(EngineArgs(model=path, dtype="float32"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(build_app(engine, NAME, path), host="127.0.0.1", port=port,
-                                        log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(100):
-        try:
-            urllib.request.urlopen(url + "/health", timeout=1)
-            break
-        except OSError:
-            time.sleep(0.1)
-    yield url
-    srv.should_exit = True
-    thread.join(timeout=10)
-    engine.shutdown()
+    with server_in_thread(EngineArgs(model=str(tiny_checkpoints("llama")), dtype="float32"), NAME) as (url, _):
+        yield url
 
 
 def test_serve_vs_hf_same_texts_and_token_counts(llama_server, tmp_path, capsys):

@@ -14,9 +14,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from server_utils import alive, descendants, serve_subprocess, server_in_thread
 
 from tandem.entrypoints.engine_args import EngineArgs
-from tandem.entrypoints.openai.api_server import build_app
 from tandem.entrypoints.openai.async_engine import AsyncEngine
 
 NAME = "tiny-dsv3"
@@ -24,29 +24,10 @@ NAME = "tiny-dsv3"
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoints):
-    import uvicorn
-
     path = str(tiny_checkpoints("deepseek_v3", num_mtp_layers=1))
-    engine = AsyncEngine(EngineArgs(model=path, dtype="float32",
-                                    speculative_config={"method": "mtp", "num_speculative_tokens": 2}))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(build_app(engine, NAME, path), host="127.0.0.1", port=port,
-                                        log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(100):
-        try:
-            urllib.request.urlopen(url + "/health", timeout=1)
-            break
-        except OSError:
-            time.sleep(0.1)
-    yield url, engine
-    srv.should_exit = True
-    thread.join(timeout=10)
-    engine.shutdown()
+    args = EngineArgs(model=path, dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    with server_in_thread(args, NAME) as (url, engine):
+        yield url, engine
 
 
 def _client(url: str):
@@ -352,61 +333,30 @@ def test_logprob_token_names_are_distinct_and_reassemble_the_text():
     assert len({tok.token_text(t) for t in partial}) == len(set(partial)), "two byte tokens share a name"
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:  # fields[1] is the parent pid
-            kids.append(int(stat.parent.name))
-    return kids
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 @pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
 def test_serve_shuts_down_with_its_ranks_on_a_signal(tiny_checkpoints, signum):
     import signal
-    import subprocess
-    import sys
 
     path = str(tiny_checkpoints("llama"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "tandem.entrypoints.cli", "serve", path, "-pcp", "2",
-                             "--dtype", "float32", "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = serve_subprocess(path, "-pcp", "2")
     try:
-        for _ in range(600):
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1)
-                break
-            except OSError:
-                assert proc.poll() is None, proc.stderr.read().decode()[-2000:] if proc.stderr else ""
-                time.sleep(0.1)
         ok = _client(url).completions.create(model=Path(path).name, prompt="hello", max_tokens=3, temperature=0)
         assert ok.usage.completion_tokens == 3
-        ranks = [pid for kid in _children(proc.pid) for pid in [kid, *_children(kid)]]
+        ranks = descendants(proc.pid)
         assert ranks, "no rank processes found under the server"
         proc.send_signal(getattr(signal, signum))
         assert proc.wait(timeout=60) == 0, proc.stderr.read().decode()[-2000:] if proc.stderr else ""
-        deadline = time.monotonic() + 30
-        while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not [pid for pid in ranks if _alive(pid)], "a rank outlived the server"
+        _assert_gone(ranks)
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def _assert_gone(pids: list[int], timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in pids if alive(pid)], "a rank outlived the server"
 
 
 def test_vllm_extra_sampling_parameters_and_version(server, tiny_checkpoints):
@@ -432,26 +382,10 @@ def test_vllm_extra_sampling_parameters_and_version(server, tiny_checkpoints):
 
 def test_a_killed_rank_fails_open_streams_and_ends_the_server(tiny_checkpoints):
     import os
-    import subprocess
-    import sys
 
-    path = str(tiny_checkpoints("llama"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "tandem.entrypoints.cli", "serve", path, "-pcp", "2",
-                             "--dtype", "float32", "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = serve_subprocess(str(tiny_checkpoints("llama")), "-pcp", "2")
     try:
-        for _ in range(600):
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1)
-                break
-            except OSError:
-                assert proc.poll() is None, proc.stderr.read().decode()[-2000:] if proc.stderr else ""
-                time.sleep(0.1)
-        ranks = [pid for kid in _children(proc.pid) for pid in [kid, *_children(kid)]]
+        ranks = descendants(proc.pid)
         body = json.dumps({"prompt": "hello", "max_tokens": 500, "ignore_eos": True, "stream": True}).encode()
         resp = urllib.request.urlopen(urllib.request.Request(url + "/v1/completions", data=body,
                                                              headers={"Content-Type": "application/json"}))
@@ -466,10 +400,7 @@ def test_a_killed_rank_fails_open_streams_and_ends_the_server(tiny_checkpoints):
         assert proc.wait(timeout=60) == 1
         stderr = proc.stderr.read().decode() if proc.stderr else ""
         assert "engine stopped" in stderr and "rank" in stderr, stderr[-2000:]
-        deadline = time.monotonic() + 30
-        while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not [pid for pid in ranks if _alive(pid)], "a rank outlived the server"
+        _assert_gone(ranks)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -295,6 +295,34 @@ def test_clients_that_disconnect_mid_stream_free_their_blocks(server):
     assert ok.usage.completion_tokens >= 1
 
 
+def test_non_streamed_requests_whose_clients_hang_up_are_aborted_and_end(server):
+    """A hung-up non-streamed request (n = 2, a batch of two prompts) is aborted, frees its blocks, and its
+    handler finishes (no reader left waiting on a stream that will never end)."""
+    import http.client
+
+    url, engine = server
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"model": NAME, "prompt": ["Once upon a time", "Hello"], "n": 2, "max_tokens": 400,
+                       "temperature": 1.0, "ignore_eos": True})
+    conns = []
+    for _ in range(4):
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        conns.append(conn)
+    deadline = time.monotonic() + 30
+    while engine.num_open_streams < 8 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.num_open_streams == 8  # 4 requests x 2 prompts, each generating
+    for conn in conns:
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+    _assert_idle(engine)
+    deadline = time.monotonic() + 10
+    while engine.num_open_streams and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.num_open_streams == 0, "a handler still waits on an aborted request"
+
+
 def _assert_idle(engine: AsyncEngine, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

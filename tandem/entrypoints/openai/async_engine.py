@@ -23,7 +23,7 @@ from tandem.engine.parallel_sampling import ParentRequest
 from tandem.engine.request import Request
 from tandem.entrypoints.engine_args import EngineArgs
 from tandem.entrypoints.openai.prometheus import Histogram
-from tandem.outputs import RequestOutput
+from tandem.outputs import CompletionOutput, RequestOutput
 from tandem.sampling_params import SamplingParams
 
 
@@ -58,6 +58,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.error: BaseException | None = None
+        self.num_open_streams = 0  # generate() iterations not yet finished (the event loop's side)
         self.on_error: Callable[[BaseException], None] | None = None  # called on the engine thread when it dies
         self._metrics: list[Metric] = self.engine.get_metrics()
         # request latencies, observed on the event loop as the deltas arrive
@@ -79,6 +80,7 @@ class AsyncEngine:
         self._wake.set()
         finished = False
         start, first = time.monotonic(), None
+        self.num_open_streams += 1
         try:
             while True:
                 delta = await out.get()
@@ -86,7 +88,8 @@ class AsyncEngine:
                 if first is None and delta.token_ids:
                     first = now
                     self.ttft.observe(now - start)
-                if delta.final is not None and delta.final.error is None and first is not None:
+                if delta.final is not None and delta.final.error is None and first is not None \
+                        and all(o.finish_reason != "abort" for o in delta.final.outputs):
                     self.e2e.observe(now - start)
                     num_out = max(len(o.token_ids) for o in delta.final.outputs)
                     if num_out > 1:
@@ -96,6 +99,7 @@ class AsyncEngine:
                     finished = True
                     return
         finally:
+            self.num_open_streams -= 1
             if not finished:
                 self.abort(request_id)
 
@@ -153,8 +157,13 @@ class AsyncEngine:
                     choices = added.children if isinstance(added, ParentRequest) else [added]
                     self._streams[request_id] = _Stream(loop, out, choices, [0] * len(choices))
             elif kind == "abort" and payload in self._streams:
-                del self._streams[payload]
+                st = self._streams.pop(payload)
                 self.engine.abort_request(payload)  # frees its KV blocks at once
+                # end the stream too, so a reader still waiting on it (a non-streamed request whose client hung
+                # up) finishes instead of waiting forever
+                aborted = RequestOutput(payload, None, [], [CompletionOutput(i, "", list(r.output_token_ids), "abort")
+                                                            for i, r in enumerate(st.choices)], finished=True)
+                st.loop.call_soon_threadsafe(st.out.put_nowait, Delta([], aborted))
 
     def _publish(self, finished: dict[str, RequestOutput]) -> None:
         for request_id, st in list(self._streams.items()):

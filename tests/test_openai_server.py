@@ -159,6 +159,15 @@ def test_logprobs_streamed_equal_non_streamed(server):
     assert plain.choices[0].logprobs is None
 
 
+def test_chat_without_max_tokens_runs_to_eos_or_the_context(server):
+    url, _ = server
+    chat = _client(url).chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}],
+                                                temperature=0)
+    choice = chat.choices[0]
+    assert choice.finish_reason == "stop" or chat.usage.completion_tokens > 16, (choice.finish_reason, chat.usage)
+    assert chat.usage.total_tokens <= 512  # the tiny model's context
+
+
 def test_concurrent_streams_match_and_free_the_cache(server):
     url, engine = server
     client = _client(url)

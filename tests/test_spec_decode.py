@@ -69,6 +69,34 @@ def test_greedy_speculative_equals_non_speculative(tiny_checkpoints, arch, num_m
         assert m["tandem:spec_decode_num_accepted_tokens"] > 0, "repetitive prompts should accept some drafts"
 
 
+@pytest.mark.parametrize("k", [2, 3])
+def test_prompt_admitted_whole_drafts_into_reserved_slots(tiny_checkpoints, monkeypatch, k):
+    """A prompt admitted and prefilled in one step samples at once, so its MTP draft decodes write and read
+    positions past the prompt: the scheduler must reserve them (the look-ahead) at admission too. Prompts
+    ending on a block boundary (block 16) made the draft read a block it never got. The first drafts must
+    equal those of the same prompts prefilled in chunks, whose last chunk is scheduled as a running row."""
+    path = tiny_checkpoints("deepseek_v3", num_mtp_layers=1)
+    prompts = random_prompts([16, 40, 31, 32], vocab_size=500, seed=21)
+    spec = {"method": "mtp", "num_speculative_tokens": k}
+    first_drafts = []
+    for budget in (2048, 8):
+        llm = LLM(str(path), dtype="float32", max_num_batched_tokens=budget, speculative_config=spec)
+        steps = record_steps(llm, monkeypatch)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+        drafts: dict[str, list[int]] = {}
+        for plan, out in steps:
+            sampling_rows = [r for r in plan.rows if r.sampling is not None]
+            for row, d in zip(sampling_rows, out.draft_token_ids, strict=True):
+                drafts.setdefault(row.request_id, d)  # the drafts made right after the prompt
+        first_drafts.append([drafts[str(i)] for i in range(len(prompts))])
+        alone = llm.generate([{"prompt_token_ids": prompts[0]}], GREEDY, use_tqdm=False)  # a one-block table
+        assert alone[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+        assert [o.outputs[0].token_ids for o in outs] == [
+            o.outputs[0].token_ids for o in LLM(str(path), dtype="float32").generate(
+                [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)]
+    assert first_drafts[0] == first_drafts[1], "drafts after a whole-prompt prefill differ from chunked ones"
+
+
 def _mtp_reference(path: Path):
     """A plain re-computation of MTP draft 1 from scratch for a context: the target's final-normed hidden
     states (HF), the MTP layer's own tensors, and HF's decoder layer as the MTP block."""

@@ -58,8 +58,10 @@ class Scheduler:
             hit = self.block_manager.match_prefix(req)
             req.num_computed_tokens = hit
             n = req.num_tokens - hit
+            # A prompt that completes in this step samples now, so its drafter writes ahead as well.
+            ahead = self.lookahead if n <= budget else 0
             if (not self.config.enable_chunked_prefill and n > budget) or \
-                    not self.block_manager.allocate(req, hit + min(n, budget)):
+                    not self.block_manager.allocate(req, self._slots(hit + min(n, budget), ahead)):
                 self.block_manager.free(req)
                 req.num_computed_tokens = 0
                 break
@@ -84,9 +86,13 @@ class Scheduler:
             room = min(room, sp.max_tokens - len(req.output_token_ids) - 1)
         return req.spec_token_ids[: max(0, min(k, budget - 1, room))]
 
+    def _slots(self, num_tokens: int, ahead: int) -> int:
+        """KV slots a request needs: its tokens after this step plus the drafter's look-ahead, which never
+        reaches past max_model_len (the draft positions there are clamped and write nothing)."""
+        return min(num_tokens + ahead, max(self.max_model_len, num_tokens))
+
     def _allocate_or_preempt(self, req: Request, n: int) -> bool:
-        total = min(req.num_computed_tokens + n + self.lookahead, max(self.max_model_len,
-                                                                      req.num_computed_tokens + n))
+        total = self._slots(req.num_computed_tokens + n, self.lookahead)
         while not self.block_manager.allocate(req, total):
             victim = self.running[-1]
             self._preempt(victim)

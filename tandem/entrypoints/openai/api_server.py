@@ -52,6 +52,7 @@ class CompletionRequest(_Sampling):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[dict[str, Any]]
+    max_tokens: int | None = None  # chat: no limit but the context, as OpenAI and vLLM (completions: 16)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -164,7 +165,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, model_path: str) -> F
         if req.top_logprobs is not None and not req.logprobs:
             raise BadRequest("top_logprobs needs logprobs: true")
         top = (req.top_logprobs or 0) if req.logprobs else None
-        params = params_of(req, req.max_completion_tokens or req.max_tokens, top)
+        limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = params_of(req, limit, top)
         if template_text is None:
             raise BadRequest(f"model {served_model_name!r} has no chat template (tokenizer_config.json "
                              "chat_template); use /v1/completions")

@@ -2,8 +2,9 @@
 runs like any other; their completions are gathered back into one RequestOutput with n choices.
 
 As in vLLM, child i is named `f"{i}_{parent_id}"` and, when the parent has a seed, samples with seed + i, so
-choice i of a seeded request equals the same prompt sent alone with seed + i. Children share the prompt, so
-with prefix caching on, the prompt's full blocks are computed once the first child has cached them.
+choice i of a seeded request equals the same prompt sent alone with seed + i. The children are admitted
+together, so each prefills the prompt: the prefix cache only serves blocks an earlier step computed (hashing
+blocks at scheduling time, as vLLM V1 does, would let them share it; not done yet).
 """
 
 from __future__ import annotations

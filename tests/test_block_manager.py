@@ -50,3 +50,16 @@ def test_allocation_fails_without_side_effects_when_short():
     r = _req(list(range(12)))
     assert not bm.allocate(r, 12)
     assert r.block_ids == [] and bm.num_free_blocks == 2
+
+
+def test_mtp_drops_the_last_hit_block():
+    """An MTP layer's cache entry at the hit's last position holds the cached request's next token, so with an
+    MTP drafter the last matched block is recomputed; dropping it leaves no extra reference behind."""
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True, drop_last_hit_block=True)
+    a = _req(list(range(10)), "a")
+    _compute_all(bm, a)
+    b = _req(list(range(8)) + [99, 98, 97], "b")
+    assert bm.match_prefix(b) == 4 and b.block_ids == a.block_ids[:1]
+    assert bm.blocks[a.block_ids[0]].ref_count == 2 and bm.blocks[a.block_ids[1]].ref_count == 1
+    c = _req([50, 51, 52], "c")
+    assert bm.match_prefix(c) == 0 and c.block_ids == []

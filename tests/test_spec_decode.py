@@ -97,6 +97,28 @@ def test_prompt_admitted_whole_drafts_into_reserved_slots(tiny_checkpoints, monk
     assert first_drafts[0] == first_drafts[1], "drafts after a whole-prompt prefill differ from chunked ones"
 
 
+def test_mtp_prefix_hit_recomputes_the_last_block(tiny_checkpoints, monkeypatch):
+    """B shares A's first 32 tokens (two blocks) and then differs: the MTP layer's entry at position 31 was
+    computed from A's token 32, so B recomputes the second block (a 16-token hit, not 32), and B's drafts
+    equal B's on a fresh engine."""
+    path = tiny_checkpoints("deepseek_v3", num_mtp_layers=1)
+    shared, a_tail, b_tail = random_prompts([32, 9, 9], vocab_size=500, seed=5)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    def drafts_of_b(llm: LLM) -> tuple[list, int]:
+        steps = record_steps(llm, monkeypatch)
+        out = llm.generate([{"prompt_token_ids": shared + b_tail}], params, use_tqdm=False)[0]
+        return [d for plan, o in steps for d in o.draft_token_ids], out.num_cached_tokens
+
+    warm = LLM(str(path), dtype="float32", speculative_config=spec)
+    warm.generate([{"prompt_token_ids": shared + a_tail}], params, use_tqdm=False)
+    after_a, hit = drafts_of_b(warm)
+    fresh, fresh_hit = drafts_of_b(LLM(str(path), dtype="float32", speculative_config=spec))
+    assert after_a == fresh
+    assert (hit, fresh_hit) == (16, 0)
+
+
 def _mtp_reference(path: Path):
     """A plain re-computation of MTP draft 1 from scratch for a context: the target's final-normed hidden
     states (HF), the MTP layer's own tensors, and HF's decoder layer as the MTP block."""

@@ -26,9 +26,14 @@ def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 drop_last_hit_block: bool = False):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # An MTP layer's cache entry at position p was computed from token p + 1, so the last position of a hit
+        # prefix holds the cached request's next token, not necessarily this one's: with an MTP drafter the last
+        # matched block is recomputed instead (as vLLM does for EAGLE/MTP).
+        self.drop_last_hit_block = drop_last_hit_block
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_ids: deque[int] = deque(range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
@@ -69,6 +74,9 @@ class BlockManager:
             req.block_ids.append(block_id)
             req.block_hashes.append(h)
             parent = h
+        if self.drop_last_hit_block and req.block_ids:
+            self._release(req.block_ids.pop())
+            req.block_hashes.pop()
         return len(req.block_ids) * bs
 
     def record_prefix_query(self, num_tokens: int, num_hit: int) -> None:
@@ -109,11 +117,14 @@ class BlockManager:
             self.hash_to_block.setdefault(h, block.block_id)
             req.block_hashes.append(h)
 
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_ids.append(block_id)
+
     def free(self, req: Request) -> None:
         # Tail blocks first, so the least reusable part of a prefix is evicted first.
         for block_id in reversed(req.block_ids):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_ids.append(block_id)
+            self._release(block_id)
         req.block_ids, req.block_hashes = [], []

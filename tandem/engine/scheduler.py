@@ -25,7 +25,8 @@ class Scheduler:
         # sampling row reserves that many slots ahead.
         self.lookahead = self.spec.max_num_speculative_tokens if self.spec.method in ("mtp", "dspark") else 0
         self.max_model_len = model_config.max_model_len
-        self.block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+                                          drop_last_hit_block=self.spec.method == "mtp")
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0

@@ -57,3 +57,23 @@ def test_aborting_the_parent_frees_every_child(tiny_checkpoints):
     engine.abort_request("p")
     assert not engine.has_unfinished_requests() and engine.scheduler.block_manager.usage() == 0
     assert not engine.parents and not engine.requests
+
+
+def test_choices_admitted_together_share_the_prompt_blocks(tiny_checkpoints):
+    """The first child's prompt blocks are registered as they are scheduled, so its siblings, admitted in the
+    same step, hit them (every layer writes the batch's K/V before any row attends); the samples are the
+    same as without prefix caching, on one rank and with the prompt split over two PCP ranks."""
+    path = str(tiny_checkpoints("deepseek_v3", num_mtp_layers=1))
+    prompt = random_prompts([64], vocab_size=500, seed=6)[0]  # 4 blocks of 16; a hit leaves one token: 48
+    params = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    reference = LLM(path, dtype="float32", enable_prefix_caching=False, speculative_config=spec).generate(
+        [{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    for pcp in (1, 2):
+        llm = LLM(path, dtype="float32", prefill_context_parallel_size=pcp, speculative_config=spec)
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        hits = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}["tandem:prefix_cache_hits"]
+        llm.shutdown()
+        # MTP drops the last hit block (its MTP entry depends on the next token): 2 blocks = 32 tokens a sibling
+        assert hits == 3 * 32, f"PCP={pcp}: {hits} prompt tokens hit"
+        assert [c.token_ids for c in out.outputs] == [c.token_ids for c in reference.outputs], f"PCP={pcp}"

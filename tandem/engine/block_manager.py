@@ -102,13 +102,17 @@ class BlockManager:
             req.block_ids.append(block.block_id)
         return True
 
-    def cache_full_blocks(self, req: Request) -> None:
-        """Register the hashes of blocks that became full and computed this step."""
+    def cache_full_blocks(self, req: Request, num_tokens: int | None = None) -> None:
+        """Register the hashes of the blocks full within the first `num_tokens` tokens (default: the computed
+        ones). The scheduler registers a step's blocks as it schedules them, so a request admitted later in
+        the same step hits them: every layer writes the whole batch's K/V before any row attends, so the
+        keys are in place when the later request reads them."""
         if not self.enable_prefix_caching:
             return
         bs, tokens = self.block_size, req.all_token_ids
         # accepted drafts are computed before they are appended to the request's tokens
-        num_full = min(min(req.num_computed_tokens, len(tokens)) // bs, len(req.block_ids))
+        done = req.num_computed_tokens if num_tokens is None else num_tokens
+        num_full = min(min(done, len(tokens)) // bs, len(req.block_ids))
         for i in range(len(req.block_hashes), num_full):
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
             h = chain_hash(req.block_hashes[-1] if req.block_hashes else None, chunk)

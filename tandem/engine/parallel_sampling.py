@@ -3,8 +3,8 @@ runs like any other; their completions are gathered back into one RequestOutput 
 
 As in vLLM, child i is named `f"{i}_{parent_id}"` and, when the parent has a seed, samples with seed + i, so
 choice i of a seeded request equals the same prompt sent alone with seed + i. The children are admitted
-together, so each prefills the prompt: the prefix cache only serves blocks an earlier step computed (hashing
-blocks at scheduling time, as vLLM V1 does, would let them share it; not done yet).
+together; with prefix caching the later ones hit the first one's prompt blocks in that same step (the
+scheduler registers blocks as it schedules them; see BlockManager.cache_full_blocks).
 """
 
 from __future__ import annotations

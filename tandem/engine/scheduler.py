@@ -50,6 +50,7 @@ class Scheduler:
             if n <= 0 or not self._allocate_or_preempt(req, n + len(drafts)):
                 continue
             rows.append(self._row(req, n, drafts))
+            self.block_manager.cache_full_blocks(req, req.num_computed_tokens + n)
             scheduled.append(req)
             budget -= n + len(drafts)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -74,6 +75,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             rows.append(self._row(req, n, []))
+            self.block_manager.cache_full_blocks(req, hit + n)  # later admissions of this step may hit them
             scheduled.append(req)
             budget -= n
         self._scheduled = scheduled

@@ -441,3 +441,20 @@ def test_a_killed_rank_fails_open_streams_and_ends_the_server(tiny_checkpoints):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_echo_prepends_the_prompt_streamed_and_not(server):
+    url, _ = server
+    client = _client(url)
+    kw = {"model": NAME, "max_tokens": 5, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    plain = client.completions.create(prompt="Once upon a time", **kw).choices[0].text
+    echoed = client.completions.create(prompt="Once upon a time", echo=True, **kw).choices[0].text
+    assert echoed == "Once upon a time" + plain
+    streamed = "".join(e.choices[0].text for e in client.completions.create(
+        prompt="Once upon a time", echo=True, stream=True, **kw) if e.choices)
+    assert streamed == echoed
+    body = json.dumps({"model": NAME, "prompt": "hi", "echo": True, "logprobs": 1}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req)
+    assert err.value.code == 400 and "echo with logprobs" in json.loads(err.value.read())["error"]["message"]

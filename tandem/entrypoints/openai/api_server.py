@@ -48,6 +48,7 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]  # one prompt, or a batch of them
     logprobs: int | None = None  # top alternatives per token (the sampled token is always included)
+    echo: bool = False  # the completion text starts with the prompt
 
 
 class ChatCompletionRequest(_Sampling):
@@ -145,20 +146,23 @@ def build_app(engine: AsyncEngine, served_model_name: str, model_path: str) -> F
                              f"{engine.max_model_len}: the prompt plus at least one generated token must fit")
 
     def respond_to(req: _Sampling, params: SamplingParams, prompts: list[str | list[int]], chat: bool,
-                   raw: Request) -> Any:
+                   raw: Request, echo: bool = False) -> Any:
         include_usage = bool((req.stream_options or {}).get("include_usage"))
-        return respond(engine, params, prompts, served_model_name, chat, req.stream, include_usage, raw)
+        return respond(engine, params, prompts, served_model_name, chat, req.stream, include_usage, raw, echo)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Any:
         params = params_of(req, req.max_tokens, req.logprobs)
         if not req.prompt:
             raise BadRequest("prompt is empty")
+        if req.echo and req.logprobs is not None:
+            raise BadRequest("echo with logprobs asks for the prompt tokens' logprobs, which tandem does not "
+                             "compute: send echo without logprobs, or logprobs without echo")
         batch = isinstance(req.prompt, list) and not isinstance(req.prompt[0], int)
         prompts: list[str | list[int]] = list(req.prompt) if batch else [req.prompt]  # type: ignore[list-item]
         for prompt in prompts:
             check_prompt(prompt)
-        return await respond_to(req, params, prompts, chat=False, raw=raw)
+        return await respond_to(req, params, prompts, chat=False, raw=raw, echo=req.echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Any:

@@ -100,8 +100,10 @@ async def _watch_disconnect(raw: Request, engine: AsyncEngine, request_ids: list
 
 
 async def respond(engine: AsyncEngine, params: SamplingParams, prompts: list[str | list[int]], model: str,
-                  chat: bool, stream: bool, include_usage: bool, raw: Request) -> Any:
+                  chat: bool, stream: bool, include_usage: bool, raw: Request, echo: bool = False) -> Any:
+    """echo (completions): each choice's text starts with its prompt's text."""
     kind = "chat.completion" if chat else "text_completion"
+    echoed = [(p if isinstance(p, str) else engine.tokenizer.decode(p)) if echo else "" for p in prompts]
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
     created, n = int(time.time()), params.n
@@ -133,7 +135,7 @@ async def respond(engine: AsyncEngine, params: SamplingParams, prompts: list[str
         for final in finals:
             if final.error is not None:
                 raise BadRequest(final.error)
-        choices = [_choice(engine, params, chat, i * n + out.index, out)
+        choices = [_choice(engine, params, chat, i * n + out.index, out, echoed[i])
                    for i, final in enumerate(finals) for out in final.outputs]
         return {"id": rid, "object": kind, "created": created, "model": model, "choices": choices,
                 "usage": _usage(finals)}
@@ -178,9 +180,11 @@ async def respond(engine: AsyncEngine, params: SamplingParams, prompts: list[str
         num_choices = len(prompts) * n
         texts = [_TextStream(engine, params) for _ in range(num_choices)]
         logprobs = [_Logprobs(engine, chat, params.logprobs or 0) for _ in range(num_choices)]
-        if chat:
-            for index in range(num_choices):
+        for index in range(num_choices):
+            if chat:
                 yield chunk(index, None, None, role=True)
+            elif echoed[index // n]:
+                yield chunk(index, echoed[index // n], None)
         finals: list[RequestOutput] = []
         while len(finals) < len(streams):
             i, delta = await merged.get()
@@ -209,12 +213,13 @@ async def respond(engine: AsyncEngine, params: SamplingParams, prompts: list[str
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
-def _choice(engine: AsyncEngine, params: SamplingParams, chat: bool, index: int, out: Any) -> dict[str, Any]:
+def _choice(engine: AsyncEngine, params: SamplingParams, chat: bool, index: int, out: Any,
+            echoed: str = "") -> dict[str, Any]:
     choice: dict[str, Any] = {"index": index, "finish_reason": out.finish_reason}
     if chat:
         choice["message"] = {"role": "assistant", "content": out.text}
     else:
-        choice["text"] = out.text
+        choice["text"] = echoed + out.text
     if params.logprobs is not None or not chat:
         choice["logprobs"] = None if out.logprobs is None else \
             _Logprobs(engine, chat, params.logprobs or 0).entries(out.token_ids, out.logprobs)

@@ -26,3 +26,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    # SamplingParams.prompt_logprobs: per prompt token, {token_id: logprob} (None for the first token)
+    prompt_logprobs: list[dict[int, float] | None] | None = None

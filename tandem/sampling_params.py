@@ -21,6 +21,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # top-n per prompt token (its own logprob always included)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -42,6 +43,7 @@ class SamplingParams:
             ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
              "must be <= max_tokens"),
             ("logprobs", self.logprobs is None or self.logprobs >= 0, "must be >= 0"),
+            ("prompt_logprobs", self.prompt_logprobs is None or self.prompt_logprobs >= 0, "must be >= 0"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              "must be non-negative token ids"),

@@ -453,8 +453,28 @@ def test_echo_prepends_the_prompt_streamed_and_not(server):
     streamed = "".join(e.choices[0].text for e in client.completions.create(
         prompt="Once upon a time", echo=True, stream=True, **kw) if e.choices)
     assert streamed == echoed
-    body = json.dumps({"model": NAME, "prompt": "hi", "echo": True, "logprobs": 1}).encode()
+    body = json.dumps({"model": NAME, "prompt": "hi", "echo": True, "logprobs": 1, "stream": True}).encode()
     req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(req)
     assert err.value.code == 400 and "echo with logprobs" in json.loads(err.value.read())["error"]["message"]
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(server):
+    """lm-eval's loglikelihood request: echo, logprobs=1, max_tokens=1, temperature 0 -> every prompt token's
+    logprob (None for the first), equal to the engine's own prompt_logprobs, then the completion's."""
+    from tandem import LLM, SamplingParams
+
+    url, engine = server
+    prompt = "Once upon a time there was"
+    res = _client(url).completions.create(model=NAME, prompt=prompt, echo=True, logprobs=1, max_tokens=1,
+                                          temperature=0).choices[0]
+    ids = engine.tokenizer.encode(prompt)
+    lp = res.logprobs
+    assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert res.text.startswith(prompt) and lp.text_offset[0] == 0
+    ref = LLM(engine.engine.config.model_config.model, dtype="float32").generate(
+        prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+    expect = [None] + [ref.prompt_logprobs[p][ids[p]] for p in range(1, len(ids))]
+    assert lp.token_logprobs[:len(ids)] == pytest.approx(expect[:1] + expect[1:], abs=1e-5)
+    assert all(v <= 0 for v in lp.token_logprobs[1:])

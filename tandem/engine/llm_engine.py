@@ -13,6 +13,7 @@ from tandem.engine.metrics import Counter, EngineStats, Gauge, Metric, Vector
 from tandem.engine.parallel_sampling import ParentRequest, child_id, child_params
 from tandem.engine.request import Request
 from tandem.engine.scheduler import Scheduler
+from tandem.engine.step_plan import StepOutput, StepPlan
 from tandem.executor.multiproc import MultiprocExecutor
 from tandem.executor.torchrun import TorchrunExecutor, launched_by_torchrun
 from tandem.executor.uniproc import UniprocExecutor
@@ -81,6 +82,8 @@ class LLMEngine:
     def _add(self, request_id: str, token_ids: list[int], params: SamplingParams, text: str | None) -> Request:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         req = Request(request_id, token_ids, params, seed, prompt=text)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]  # the first token has no context to be predicted from
         self.requests[request_id] = req
         self.scheduler.add(req)
         self.stats.num_prompt_tokens += len(token_ids)
@@ -108,6 +111,7 @@ class LLMEngine:
         if not plan.rows:
             return []
         output = self.executor.execute(plan)
+        self._record_prompt_logprobs(plan, output)
         self.spec_stats.confidence_sum += output.draft_confidence[0]
         self.spec_stats.num_confidences += output.draft_confidence[1]
         finished = []
@@ -128,6 +132,20 @@ class LLMEngine:
                 req.spec_token_ids = propose_ngram(req.all_token_ids, self.spec.max_num_speculative_tokens,
                                                    self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
         return finished
+
+    def _record_prompt_logprobs(self, plan: StepPlan, output: StepOutput) -> None:
+        """Entry j of a row is the logprob of prompt token num_computed_tokens + j + 1; a position already
+        recorded (a request recomputed after preemption) is kept, a position past the prompt is dropped."""
+        for row in plan.rows:
+            entries = output.prompt_logprobs.get(row.request_id)
+            req = self.requests.get(row.request_id)
+            if entries is None or req is None or req.prompt_logprobs is None:
+                continue
+            for j, entry in enumerate(entries):
+                target = row.num_computed_tokens + j + 1
+                if target == len(req.prompt_logprobs) and target < len(req.prompt_token_ids):
+                    req.prompt_logprobs.append(_trim(entry, req.prompt_token_ids[target],
+                                                     req.sampling_params.prompt_logprobs or 0))
 
     def _append_token(self, req: Request, token: int, logprobs: dict[int, float] | None) -> None:
         sp = req.sampling_params
@@ -168,7 +186,7 @@ class LLMEngine:
         completion = CompletionOutput(0, text, list(req.output_token_ids), req.finish_reason, req.stop_reason,
                                       req.logprobs)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished=True,
-                             num_cached_tokens=max(req.num_cached_tokens, 0))
+                             num_cached_tokens=max(req.num_cached_tokens, 0), prompt_logprobs=req.prompt_logprobs)
 
     def _gather(self, output: RequestOutput) -> RequestOutput | None:
         """A finished request's output, or for a child of a parallel-sampling request the parent's gathered

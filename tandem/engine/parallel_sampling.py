@@ -33,14 +33,17 @@ class ParentRequest:
     children: list[Request]
     done: dict[int, CompletionOutput] = field(default_factory=dict)
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def finish_child(self, index: int, output: RequestOutput) -> RequestOutput | None:
         """Record child `index`'s completion; the gathered output once every child has finished."""
         completion = output.outputs[0]
         self.done[index] = replace(completion, index=index)
         self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = output.prompt_logprobs  # the same prompt in every child
         if len(self.done) < len(self.children):
             return None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
                              [self.done[i] for i in range(len(self.children))], finished=True,
-                             num_cached_tokens=self.num_cached_tokens)
+                             num_cached_tokens=self.num_cached_tokens, prompt_logprobs=self.prompt_logprobs)

@@ -33,6 +33,7 @@ class Request:
     stop_reason: int | str | None = None
     output_text: str = ""
     logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # filled as the prompt is computed
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
 

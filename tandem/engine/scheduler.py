@@ -57,7 +57,8 @@ class Scheduler:
             req = self.waiting[0]
             # Waiting requests hold no blocks: a failed admission releases its prefix hits (they
             # stay cached), so requests queued behind preemptions can never pin the pool.
-            hit = self.block_manager.match_prefix(req)
+            # prompt logprobs need every prompt position computed, so such a request takes no prefix hit (as vLLM)
+            hit = self.block_manager.match_prefix(req) if req.sampling_params.prompt_logprobs is None else 0
             req.num_computed_tokens = hit
             n = req.num_tokens - hit
             # A prompt that completes in this step samples now, so its drafter writes ahead as well.
@@ -119,9 +120,11 @@ class Scheduler:
         sampling = RowSampling(sp.temperature, sp.top_k, sp.top_p, sp.min_p, req.seed,
                                sp.logprobs) if reaches_end else None
         tokens = req.all_token_ids
+        prompt_logprobs = sp.prompt_logprobs if start < len(req.prompt_token_ids) - 1 else None
         return ScheduledRow(req.request_id, tokens[start:start + n] + drafts, start, list(req.block_ids),
                             is_prefill=start < req.num_tokens - 1, sampling=sampling,
-                            num_draft_tokens=len(drafts), next_token_id=None if reaches_end else tokens[start + n])
+                            num_draft_tokens=len(drafts), next_token_id=None if reaches_end else tokens[start + n],
+                            prompt_logprobs=prompt_logprobs)
 
     def update(self, plan: StepPlan, output: StepOutput) -> list[tuple[Request, ScheduledRow, int]]:
         """Advance computed counts, rolling back rejected drafts (their KV slots are simply overwritten

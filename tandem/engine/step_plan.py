@@ -33,6 +33,8 @@ class ScheduledRow:
     num_draft_tokens: int = 0  # the last num_draft_tokens of token_ids are drafts to verify
     # the token after this chunk, for drafters that read "next token" ids; None when it is sampled
     next_token_id: int | None = None
+    # a prompt chunk of a request that asked for prompt logprobs: top-n at each position whose next token is known
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -55,3 +57,5 @@ class StepOutput:
     draft_token_ids: list[list[int]] = field(default_factory=list)
     # DSpark: the confidence head's scores of this step's drafts, summed, and how many there were
     draft_confidence: tuple[float, int] = (0.0, 0)
+    # request id -> logprobs of tokens row.num_computed_tokens + 1, + 2, ... (prompt_logprobs rows only)
+    prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)

@@ -121,6 +121,7 @@ class ModelRunner:
             logits_hidden = self.pcp.maybe_restore_rows(hidden_local, batch.logits_indices) \
                 if batch.sampling is not None else None
         self._maybe_write_draft_context(batch)
+        prompt_logprobs = self._prompt_logprobs(plan, batch, hidden, hidden_local)
         emitted, logprobs = self._verify_or_sample(plan, batch, logits_hidden)
         sharded = ShardedStep(local, hidden_local, self.pcp) if self.draft_mode.mode == "sharded" else None
         drafts = self._propose(plan, batch, hidden, emitted, sharded)
@@ -128,7 +129,7 @@ class ModelRunner:
         if isinstance(self.proposer, DSparkProposer) and drafts and self.proposer.last_confidence is not None:
             scores = self.proposer.last_confidence  # [S, K]
             confidence = (float(scores.sum()), scores.numel())
-        return StepOutput(emitted, logprobs, drafts, confidence)
+        return StepOutput(emitted, logprobs, drafts, confidence, prompt_logprobs)
 
     def _maybe_write_draft_context(self, batch: InputBatch) -> None:
         """DSpark's context K/V covers every target token, so it is written on every step, sampling or not."""
@@ -137,6 +138,27 @@ class ModelRunner:
             if batch.num_padding:
                 aux = aux.masked_fill(batch.is_padding[:, None], 0)
             self.proposer.write_context(batch, aux)
+
+    def _prompt_logprobs(self, plan: StepPlan, batch: InputBatch, hidden: torch.Tensor | None,
+                         hidden_local: torch.Tensor) -> dict[str, list[dict[int, float]]]:
+        """For prompt chunks that asked for prompt logprobs: at each position whose next token is known (the
+        chunk's own tokens, then next_token_id), top-n logprobs plus that token's. Only those rows' hidden
+        states cross PCP ranks."""
+        asks = [(i, row) for i, row in enumerate(plan.rows) if row.prompt_logprobs is not None]
+        if not asks:
+            return {}
+        qsl = batch.query_start_loc_cpu.tolist()
+        rows, targets, spans = [], [], []
+        for i, row in asks:
+            nxt = row.token_ids[1:] + ([row.next_token_id] if row.next_token_id is not None else [])
+            spans.append((row, len(targets), len(nxt)))
+            rows += range(qsl[i], qsl[i] + len(nxt))
+            targets += nxt
+        idx = torch.tensor(rows, dtype=torch.int64)
+        h = hidden[idx] if hidden is not None else self.pcp.maybe_restore_rows(hidden_local, idx)  # [N, H]
+        entries = top_logprobs(self.model.compute_logits(h), torch.tensor(targets), max(r.prompt_logprobs or 0
+                                                                                        for _, r in asks))
+        return {row.request_id: entries[start:start + n] for row, start, n in spans}
 
     def _verify_or_sample(self, plan: StepPlan, batch: InputBatch, logits_hidden: torch.Tensor | None
                           ) -> tuple[list[list[int]], list[list[dict[int, float]] | None]]:

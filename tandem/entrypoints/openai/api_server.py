@@ -155,9 +155,11 @@ def build_app(engine: AsyncEngine, served_model_name: str, model_path: str) -> F
         params = params_of(req, req.max_tokens, req.logprobs)
         if not req.prompt:
             raise BadRequest("prompt is empty")
+        if req.echo and req.logprobs is not None and req.stream:
+            raise BadRequest("echo with logprobs is answered non-streamed only (the prompt tokens' logprobs "
+                             "come with the final result): set stream to false")
         if req.echo and req.logprobs is not None:
-            raise BadRequest("echo with logprobs asks for the prompt tokens' logprobs, which tandem does not "
-                             "compute: send echo without logprobs, or logprobs without echo")
+            params.prompt_logprobs = req.logprobs
         batch = isinstance(req.prompt, list) and not isinstance(req.prompt[0], int)
         prompts: list[str | list[int]] = list(req.prompt) if batch else [req.prompt]  # type: ignore[list-item]
         for prompt in prompts:

@@ -135,7 +135,7 @@ async def respond(engine: AsyncEngine, params: SamplingParams, prompts: list[str
         for final in finals:
             if final.error is not None:
                 raise BadRequest(final.error)
-        choices = [_choice(engine, params, chat, i * n + out.index, out, echoed[i])
+        choices = [_choice(engine, params, chat, i * n + out.index, out, echoed[i], final)
                    for i, final in enumerate(finals) for out in final.outputs]
         return {"id": rid, "object": kind, "created": created, "model": model, "choices": choices,
                 "usage": _usage(finals)}
@@ -214,13 +214,24 @@ async def respond(engine: AsyncEngine, params: SamplingParams, prompts: list[str
 
 
 def _choice(engine: AsyncEngine, params: SamplingParams, chat: bool, index: int, out: Any,
-            echoed: str = "") -> dict[str, Any]:
+            echoed: str = "", final: RequestOutput | None = None) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": index, "finish_reason": out.finish_reason}
     if chat:
         choice["message"] = {"role": "assistant", "content": out.text}
     else:
         choice["text"] = echoed + out.text
     if params.logprobs is not None or not chat:
-        choice["logprobs"] = None if out.logprobs is None else \
-            _Logprobs(engine, chat, params.logprobs or 0).entries(out.token_ids, out.logprobs)
+        if out.logprobs is None:
+            choice["logprobs"] = None
+        elif echoed and final is not None and final.prompt_logprobs is not None:
+            # echo: the prompt's tokens first (the first has no logprob), then the completion's
+            ids, prompt_lps = final.prompt_token_ids, final.prompt_logprobs
+            first = _Logprobs(engine, chat, params.logprobs or 0).entries(ids[:1], [{ids[0]: 0.0}])
+            first["token_logprobs"], first["top_logprobs"] = [None], [None]
+            rest = _Logprobs(engine, chat, params.logprobs or 0)
+            rest.ids = list(ids[:1])
+            body = rest.entries(ids[1:] + list(out.token_ids), prompt_lps[1:] + list(out.logprobs))
+            choice["logprobs"] = {k: first[k] + body[k] for k in body}
+        else:
+            choice["logprobs"] = _Logprobs(engine, chat, params.logprobs or 0).entries(out.token_ids, out.logprobs)
     return choice

@@ -473,6 +473,7 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(server):
     lp = res.logprobs
     assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert res.text.startswith(prompt) and lp.text_offset[0] == 0
+    assert lp.text_offset[len(ids)] == len(prompt)  # the completion starts where the echoed prompt ends
     ref = LLM(engine.engine.config.model_config.model, dtype="float32").generate(
         prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
     expect = [None] + [ref.prompt_logprobs[p][ids[p]] for p in range(1, len(ids))]

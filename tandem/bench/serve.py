@@ -155,14 +155,17 @@ def identical_texts(a: BenchResult, b: BenchResult) -> int:
 def token_counter(model_folder: str | None) -> Callable[[str], int]:
     """Counts a streamed text's tokens with the model's tokenizer (no BOS: the text is output only)."""
     path = Path(model_folder or "") / "tokenizer.json"
+    loaded: list[Any] = []  # the tokenizer, read on first use (most servers send usage chunks)
 
     def count(text: str) -> int:
         if model_folder is None or not path.is_file():
             raise RuntimeError(f"a server sent no usage chunk and there is no tokenizer to count its text with "
                                f"({path} not found; pass --hf-model MODEL_FOLDER)")
-        from tokenizers import Tokenizer
+        if not loaded:
+            from tokenizers import Tokenizer
 
-        return len(Tokenizer.from_file(str(path)).encode(text, add_special_tokens=False).ids)
+            loaded.append(Tokenizer.from_file(str(path)))
+        return len(loaded[0].encode(text, add_special_tokens=False).ids)
 
     return count
 

@@ -136,6 +136,8 @@ class LLMEngine:
     def _record_prompt_logprobs(self, plan: StepPlan, output: StepOutput) -> None:
         """Entry j of a row is the logprob of prompt token num_computed_tokens + j + 1; a position already
         recorded (a request recomputed after preemption) is kept, a position past the prompt is dropped."""
+        if not output.prompt_logprobs:
+            return
         for row in plan.rows:
             entries = output.prompt_logprobs.get(row.request_id)
             req = self.requests.get(row.request_id)

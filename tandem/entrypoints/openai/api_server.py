@@ -119,7 +119,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, model_path: str) -> F
         return PlainTextResponse(render_metrics(engine.metrics(), engine.engine.draft_mode.mode, histograms),
                                  media_type="text/plain; version=0.0.4")
 
-    def params_of(req: _Sampling, max_tokens: int | None, logprobs: int | None = None) -> SamplingParams:
+    def params_of(req: _Sampling, max_tokens: int | None, logprobs: int | None = None,
+                  prompt_logprobs: int | None = None) -> SamplingParams:
         if req.model is not None and req.model != served_model_name:
             raise BadRequest(f"model {req.model!r} does not exist: this server serves {served_model_name!r}")
         if req.n < 1:
@@ -135,7 +136,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, model_path: str) -> F
                                   ignore_eos=req.ignore_eos, logprobs=logprobs,
                                   stop_token_ids=req.stop_token_ids or [], min_tokens=req.min_tokens,
                                   include_stop_str_in_output=req.include_stop_str_in_output,
-                                  skip_special_tokens=req.skip_special_tokens)
+                                  skip_special_tokens=req.skip_special_tokens, prompt_logprobs=prompt_logprobs)
         except ValueError as e:
             raise BadRequest(str(e)) from e
 
@@ -152,14 +153,13 @@ def build_app(engine: AsyncEngine, served_model_name: str, model_path: str) -> F
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Any:
-        params = params_of(req, req.max_tokens, req.logprobs)
-        if not req.prompt:
-            raise BadRequest("prompt is empty")
-        if req.echo and req.logprobs is not None and req.stream:
+        score_prompt = req.echo and req.logprobs is not None
+        if score_prompt and req.stream:
             raise BadRequest("echo with logprobs is answered non-streamed only (the prompt tokens' logprobs "
                              "come with the final result): set stream to false")
-        if req.echo and req.logprobs is not None:
-            params.prompt_logprobs = req.logprobs
+        params = params_of(req, req.max_tokens, req.logprobs, req.logprobs if score_prompt else None)
+        if not req.prompt:
+            raise BadRequest("prompt is empty")
         batch = isinstance(req.prompt, list) and not isinstance(req.prompt[0], int)
         prompts: list[str | list[int]] = list(req.prompt) if batch else [req.prompt]  # type: ignore[list-item]
         for prompt in prompts:

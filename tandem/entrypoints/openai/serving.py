@@ -9,6 +9,7 @@ once, and choice `j` of prompt `i` is numbered `i * n + j`, as OpenAI and vLLM n
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import time
 import uuid
@@ -59,19 +60,26 @@ class _Logprobs:
 
     def __init__(self, engine: AsyncEngine, chat: bool, num_top: int):
         self.tokenizer, self.chat, self.num_top = engine.tokenizer, chat, num_top
-        self.ids: list[int] = []  # completions: the tokens so far, for text offsets
+        # completions' text offsets: characters decoded so far, fed one token's bytes at a time (O(1) a token)
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.offset = 0
 
-    def entries(self, token_ids: list[int], logprobs: list[dict[int, float]]) -> dict[str, Any]:
+    def entries(self, token_ids: list[int], logprobs: list[dict[int, float] | None]) -> dict[str, Any]:
+        """A None entry (an echoed prompt's first token) has no logprob and no alternatives."""
         if self.chat:
-            return {"content": [self._chat_entry(t, lp) for t, lp in zip(token_ids, logprobs, strict=True)]}
+            return {"content": [self._chat_entry(t, lp) for t, lp in zip(token_ids, logprobs, strict=True)
+                                if lp is not None]}
         offsets = []
         for t in token_ids:
-            offsets.append(len(self.tokenizer.decode(self.ids).removesuffix("\ufffd")))
-            self.ids.append(t)
+            offsets.append(self.offset)
+            # a special token (BOS) decodes to nothing in the text, so it takes no characters
+            raw = self.tokenizer.token_bytes(t) if self.tokenizer.decode([t]) else b""
+            self.offset += len(self.utf8.decode(raw))
         name = self.tokenizer.token_text
         return {"tokens": [name(t) for t in token_ids],
-                "token_logprobs": [lp.get(t) for t, lp in zip(token_ids, logprobs, strict=True)],
-                "top_logprobs": [{name(k): v for k, v in lp.items()} for lp in logprobs],
+                "token_logprobs": [None if lp is None else lp.get(t)
+                                   for t, lp in zip(token_ids, logprobs, strict=True)],
+                "top_logprobs": [None if lp is None else {name(k): v for k, v in lp.items()} for lp in logprobs],
                 "text_offset": offsets}
 
     def _chat_entry(self, token: int, logprobs: dict[int, float]) -> dict[str, Any]:
@@ -223,15 +231,10 @@ def _choice(engine: AsyncEngine, params: SamplingParams, chat: bool, index: int,
     if params.logprobs is not None or not chat:
         if out.logprobs is None:
             choice["logprobs"] = None
-        elif echoed and final is not None and final.prompt_logprobs is not None:
-            # echo: the prompt's tokens first (the first has no logprob), then the completion's
-            ids, prompt_lps = final.prompt_token_ids, final.prompt_logprobs
-            first = _Logprobs(engine, chat, params.logprobs or 0).entries(ids[:1], [{ids[0]: 0.0}])
-            first["token_logprobs"], first["top_logprobs"] = [None], [None]
-            rest = _Logprobs(engine, chat, params.logprobs or 0)
-            rest.ids = list(ids[:1])
-            body = rest.entries(ids[1:] + list(out.token_ids), prompt_lps[1:] + list(out.logprobs))
-            choice["logprobs"] = {k: first[k] + body[k] for k in body}
         else:
-            choice["logprobs"] = _Logprobs(engine, chat, params.logprobs or 0).entries(out.token_ids, out.logprobs)
+            ids, lps = list(out.token_ids), list(out.logprobs)
+            if echoed and final is not None and final.prompt_logprobs is not None:
+                # echo: the prompt's tokens first (the first has no logprob: its entry is None), then the completion's
+                ids, lps = final.prompt_token_ids + ids, final.prompt_logprobs + lps
+            choice["logprobs"] = _Logprobs(engine, chat, params.logprobs or 0).entries(ids, lps)
     return choice

@@ -51,6 +51,13 @@ def _load_model(path_str: str) -> Any:
     kwargs: dict[str, Any] = {"dtype": torch.float32, "attn_implementation": "eager"}
     if _model_type(path) in _MOE_MODEL_TYPES:
         kwargs["experts_implementation"] = "eager"
+    quant = json.loads((path / "config.json").read_text()).get("quantization_config")
+    if quant is not None and quant.get("quant_method") == "fp8":
+        from transformers import FineGrainedFP8Config
+
+        # Block-FP8 checkpoints: HF dequantizes each weight by its block scales into float32 at load.
+        kwargs["quantization_config"] = FineGrainedFP8Config(dequantize=True,
+                                                             weight_block_size=tuple(quant["weight_block_size"]))
     with _quiet_transformers():
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     model.eval()

@@ -131,7 +131,7 @@ def _add_mtp_layer(case: str, folder: Path, cfg: Any) -> tuple[nn.Module, dict[s
 
 
 def _load_tandem(folder: Path) -> tuple[nn.Module, dict[str, Any]]:
-    model = build_model(ModelConfig.from_path(str(folder), dtype="float32"), SINGLE_RANK)
+    model = build_model(ModelConfig.from_path(str(folder), dtype="float32"), SINGLE_RANK, with_mtp=True)
     backends = {kind: select_backend(kind, None, False) for kind in ("full_attention", "mla_attention")}
     allocate_kv_caches(model, backends, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu")
     return model, backends

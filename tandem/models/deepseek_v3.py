@@ -142,14 +142,15 @@ class DeepseekV3Model(nn.Module):
 
 
 class DeepseekV3ForCausalLM(nn.Module):
-    """Trunk layers 0..L-1 run in `forward`; checkpoint layers L.. (MTP) load into `self.mtp`, which only the
-    MTP proposer runs. Without `num_nextn_predict_layers` those tensors are unexpected."""
+    """Trunk layers 0..L-1 run in `forward`; checkpoint layers L..L+n-1 (n = `num_nextn_predict_layers`, MTP) load
+    into `self.mtp`, which only the MTP proposer runs, and are skipped unread unless `with_mtp`. Checkpoint
+    layers past those are unexpected."""
 
     block_cls: type[DeepseekV3DecoderLayer] = DeepseekV3DecoderLayer
     default_first_k_dense_replace = 3  # transformers' DeepseekV3Config default
     packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, config: ModelConfig, groups: ParallelGroups):
+    def __init__(self, config: ModelConfig, groups: ParallelGroups, with_mtp: bool = False):
         super().__init__()
         hf = config.hf
         self.num_hidden_layers = hf.num_hidden_layers
@@ -158,8 +159,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(hf.vocab_size, hf.hidden_size, groups.tp)
         if getattr(hf, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
-        num_mtp_layers = getattr(hf, "num_nextn_predict_layers", 0) or 0
-        self.mtp = DeepSeekMTP(config, groups, num_mtp_layers, self.block_cls) if num_mtp_layers else None
+        self.num_mtp_layers = getattr(hf, "num_nextn_predict_layers", 0) or 0
+        self.mtp = (DeepSeekMTP(config, groups, self.num_mtp_layers, self.block_cls)
+                    if with_mtp and self.num_mtp_layers else None)
 
     def is_moe_layer(self, hf: Any, index: int) -> bool:
         # GLM-4.7-Flash as saved by transformers lists `mlp_layer_types`; released configs use
@@ -171,9 +173,12 @@ class DeepseekV3ForCausalLM(nn.Module):
         first_dense = self.default_first_k_dense_replace if first_dense is None else first_dense
         return index >= first_dense and index % (getattr(hf, "moe_layer_freq", 1) or 1) == 0
 
-    def map_weight_name(self, name: str) -> tuple[str, Any]:
-        if self.mtp is not None:
-            name = mtp_weight_name(name, self.num_hidden_layers) or name
+    def map_weight_name(self, name: str) -> tuple[str, Any] | None:
+        mtp_name = mtp_weight_name(name, self.num_hidden_layers, self.num_mtp_layers)
+        if mtp_name is not None:
+            if self.mtp is None:
+                return None  # MTP layers load only when MTP drafts
+            name = mtp_name
         return expert_weight_target(name) or packed_weight_target(self, name)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

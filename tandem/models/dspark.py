@@ -27,7 +27,7 @@ from tandem.layers.linear import ReplicatedLinear
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding
 from tandem.models.llama import GatedMLP
-from tandem.models.loader import WeightLoadError, iterate_safetensors, load_weights
+from tandem.models.loader import WeightLoadError, load_weights, read_checkpoint
 
 ARCHITECTURE, MODEL_TYPE = "DSparkDrafter", "dspark"
 
@@ -248,7 +248,7 @@ def load_dspark_drafter(folder: str, target: ModelConfig, max_num_speculative_to
     finally:
         torch.set_default_dtype(previous)
     try:
-        load_weights(drafter, iterate_safetensors(folder))
+        load_weights(drafter, read_checkpoint(folder))
     except WeightLoadError as e:
         raise WeightLoadError(f"DSpark drafter {folder!r}: {e}") from e
     return drafter.eval()

@@ -98,8 +98,11 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: ModelConfig, groups: ParallelGroups):
+    def __init__(self, config: ModelConfig, groups: ParallelGroups, with_mtp: bool = False):
         super().__init__()
+        if with_mtp:
+            raise ValueError(f"{config.architecture} has no MTP layers: speculative_config.method 'mtp' needs a "
+                             "DeepSeek-V3 / GLM-4.x checkpoint with num_nextn_predict_layers > 0")
         hf = config.hf
         self.model = LlamaModel(config, groups, self.qk_norm)
         self.lm_head = ParallelLMHead(hf.vocab_size, hf.hidden_size, groups.tp)

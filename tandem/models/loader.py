@@ -1,5 +1,5 @@
-"""Strict weight loading: stream safetensors shards, route each tensor to its parameter's
-`weight_loader`, and fail naming every unexpected or missing tensor.
+"""Strict weight loading: stream a checkpoint's tensors (lazy per-rank slices, block-FP8 dequantized), route each
+to its parameter's `weight_loader`, and fail naming every unexpected or missing tensor.
 
 A model may declare `packed_modules_mapping` (checkpoint sub-name -> (fused sub-name, shard id))
 and `map_weight_name(name) -> (param name, shard id) | None` for anything else (experts, MTP).
@@ -8,34 +8,22 @@ A parameter fused from several tensors lists the shard ids it needs in `param.ex
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from tandem.config import ModelConfig
 from tandem.distributed.groups import ParallelGroups
+from tandem.models.checkpoint_reader import CheckpointTensor, WeightLoadError, read_checkpoint
+from tandem.models.fp8 import BlockFp8Format
 from tandem.models.registry import resolve_model_class
+
+__all__ = ["WeightLoadError", "build_model", "load_weights", "packed_weight_target", "read_checkpoint"]
 
 # Tensors that carry no model state in some checkpoints.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-class WeightLoadError(ValueError):
-    pass
-
-
-def iterate_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
-    files = sorted(Path(folder).glob("*.safetensors"))
-    if not files:
-        raise WeightLoadError(f"model={folder!r}: no *.safetensors files found")
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118  (safe_open is not a mapping)
-                yield name, f.get_tensor(name)
 
 
 def packed_weight_target(model: nn.Module, name: str) -> tuple[str, Any]:
@@ -45,7 +33,7 @@ def packed_weight_target(model: nn.Module, name: str) -> tuple[str, Any]:
     return name, None
 
 
-def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, CheckpointTensor | torch.Tensor]]) -> None:
     params = dict(model.named_parameters())
     loaded: dict[str, set[Any]] = {}
     unexpected: list[str] = []
@@ -77,17 +65,32 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
             parts.append(f"unexpected tensors in the checkpoint: {', '.join(sorted(unexpected)[:20])}")
         if missing:
             parts.append(f"missing from the checkpoint: {', '.join(sorted(missing)[:20])}")
-        raise WeightLoadError("; ".join(parts))
+        raise WeightLoadError("; ".join(parts), missing)
 
 
-def build_model(config: ModelConfig, groups: ParallelGroups, device: str = "cpu") -> nn.Module:
+def build_model(config: ModelConfig, groups: ParallelGroups, device: str = "cpu", with_mtp: bool = False) -> nn.Module:
+    """The model of `config.model` with this rank's share of the weights. MTP layers are built and loaded only
+    `with_mtp` (MTP drafting asked for): vLLM loads them only into its drafter, and checkpoints saved by
+    transformers declare `num_nextn_predict_layers` without holding the layers."""
     cls = resolve_model_class(config.architecture)
+    try:
+        fp8 = BlockFp8Format.from_hf_config(config.hf)
+    except ValueError as e:
+        raise WeightLoadError(f"model={config.model!r}: {e}") from e
     previous = torch.get_default_dtype()
     torch.set_default_dtype(config.dtype)
     try:
         with torch.device(device):
-            model = cls(config, groups)
+            model = cls(config, groups, with_mtp=with_mtp)
     finally:
         torch.set_default_dtype(previous)
-    load_weights(model, iterate_safetensors(config.model))
+    try:
+        load_weights(model, read_checkpoint(config.model, fp8))
+    except WeightLoadError as e:
+        if with_mtp and any(name.startswith("mtp.") for name in e.missing):
+            raise WeightLoadError(
+                f"model={config.model!r}: MTP drafting needs the checkpoint's MTP layers (num_nextn_predict_layers="
+                f"{config.get('num_nextn_predict_layers')}, tensors model.layers.{config.hf.num_hidden_layers}.*), "
+                f"which it lacks: {e}", e.missing) from e
+        raise
     return model.eval()

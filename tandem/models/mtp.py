@@ -28,11 +28,11 @@ class DecoderBlock(Protocol):
     def __call__(self, config: ModelConfig, groups: ParallelGroups, moe: bool) -> nn.Module: ...
 
 
-def mtp_weight_name(name: str, num_hidden_layers: int) -> str | None:
-    """`model.layers.{L + i}.X` -> `mtp.layers.{i}.X`, or `mtp.layers.{i}.mtp_block.X` for decoder-block
-    tensors; None for a tensor that is not in an MTP layer."""
+def mtp_weight_name(name: str, num_hidden_layers: int, num_mtp_layers: int) -> str | None:
+    """`model.layers.{L + i}.X` (i < num_mtp_layers) -> `mtp.layers.{i}.X`, or `mtp.layers.{i}.mtp_block.X` for
+    decoder-block tensors; None for a tensor that is not in an MTP layer."""
     m = _LAYER_TENSOR.match(name)
-    if m is None or int(m.group(1)) < num_hidden_layers:
+    if m is None or not num_hidden_layers <= int(m.group(1)) < num_hidden_layers + num_mtp_layers:
         return None
     index, rest = int(m.group(1)) - num_hidden_layers, m.group(2)
     return f"mtp.layers.{index}.{rest if rest.startswith(_MTP_OWN) else 'mtp_block.' + rest}"

@@ -27,7 +27,8 @@ class ModelRunner:
         self.config = config
         self.device = config.device
         self.block_size = config.cache_config.block_size
-        self.model = build_model(config.model_config, groups, self.device)
+        self.model = build_model(config.model_config, groups, self.device,
+                                 with_mtp=config.speculative_config.method == "mtp")
         if config.speculative_config.method != "mtp" and getattr(self.model, "mtp", None) is not None:
             # MTP layers only ever draft: without MTP drafting their weights and their KV cache are dead weight
             self.model.mtp = None

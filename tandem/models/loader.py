@@ -8,6 +8,7 @@ A parameter fused from several tensors lists the shard ids it needs in `param.ex
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -87,10 +88,17 @@ def build_model(config: ModelConfig, groups: ParallelGroups, device: str = "cpu"
     try:
         load_weights(model, read_checkpoint(config.model, fp8))
     except WeightLoadError as e:
-        if with_mtp and any(name.startswith("mtp.") for name in e.missing):
+        mtp_missing = [_mtp_checkpoint_name(n, config.hf.num_hidden_layers) for n in e.missing if n.startswith("mtp.")]
+        if with_mtp and mtp_missing:
             raise WeightLoadError(
                 f"model={config.model!r}: MTP drafting needs the checkpoint's MTP layers (num_nextn_predict_layers="
-                f"{config.get('num_nextn_predict_layers')}, tensors model.layers.{config.hf.num_hidden_layers}.*), "
-                f"which it lacks: {e}", e.missing) from e
+                f"{config.get('num_nextn_predict_layers')}), which it lacks: missing "
+                f"{', '.join(mtp_missing[:20])}", e.missing) from e
         raise
     return model.eval()
+
+
+def _mtp_checkpoint_name(param_name: str, num_hidden_layers: int) -> str:
+    """`mtp.layers.{i}[.mtp_block].X` -> `model.layers.{L + i}.X`, where the checkpoint keeps MTP layer i."""
+    return re.sub(r"^mtp\.layers\.(\d+)\.(mtp_block\.)?",
+                  lambda m: f"model.layers.{num_hidden_layers + int(m[1])}.", param_name)

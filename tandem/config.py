@@ -108,6 +108,23 @@ class ParallelConfig:
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.prefill_context_parallel_size
 
+    def check_model(self, model: ModelConfig) -> None:
+        """What TP and EP split must divide evenly; checked here, before any rank starts (each would raise)."""
+        tp = self.tensor_parallel_size
+        if tp > 1:
+            for name in ("num_attention_heads", "intermediate_size", "moe_intermediate_size"):
+                value = model.get(name)
+                if isinstance(value, int) and value % tp:
+                    _fail("tensor_parallel_size", tp, f"a divisor of the model's {name} ({value})")
+            kv = model.get("num_key_value_heads")
+            if isinstance(kv, int) and kv > 0 and kv % tp and tp % kv:
+                _fail("tensor_parallel_size", tp, f"a divisor or a multiple of num_key_value_heads ({kv})")
+        experts = model.get("n_routed_experts")
+        if self.enable_expert_parallel and isinstance(experts, int) and experts % self.world_size:
+            _fail("tensor_parallel_size x prefill_context_parallel_size", self.world_size,
+                  f"a divisor of n_routed_experts ({experts}) with enable_expert_parallel")
+
+
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
@@ -241,6 +258,7 @@ class EngineConfig:
         for name in ("tensor_parallel_size", "prefill_context_parallel_size"):
             if getattr(p, name) < 1:
                 _fail(name, getattr(p, name), "a positive integer")
+        p.check_model(m)
         self.speculative_config.validate(m)
         self._reject_unsupported()
         if self.compilation_config.cudagraph_mode not in CUDAGRAPH_MODES:

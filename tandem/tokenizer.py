@@ -56,6 +56,11 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids
 
+    def encode_off_gil(self, text: str) -> list[int]:
+        """encode(), through the batch call, which releases the GIL (encode holds it): a long text tokenized on a
+        worker thread then leaves the event loop running."""
+        return self._tok.encode_batch([text])[0].ids
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 

@@ -27,25 +27,39 @@ def free_loopback_port() -> int:
         return s.getsockname()[1]
 
 
+def step_timeout_s() -> float:
+    """How long rank 0 may take to answer one step before the engine declares the ranks hung: the watchdog behind
+    the collectives' own timeout (a rank stuck outside any collective never trips that one)."""
+    return float(os.environ.get("TANDEM_STEP_TIMEOUT_S", 2 * collective_timeout_s()))
+
+
+def collective_timeout() -> timedelta:
+    return timedelta(seconds=collective_timeout_s())
+
+
 def init_distributed(rank: int, world_size: int, init_method: str, device: str) -> None:
     backend = "nccl" if device.startswith("cuda") else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=collective_timeout_s()))
+                            timeout=collective_timeout())
 
 
 def build_groups(parallel: ParallelConfig, rank: int) -> ParallelGroups:
-    """Create every TP and PCP group (all ranks must call this in the same order) and return this rank's."""
+    """Create every TP and PCP group (all ranks must call this in the same order) and return this rank's.
+
+    Each group gets the collective timeout explicitly: `new_group()` without one falls back to torch's 30-minute
+    default, not the world group's, and a stopped peer would then hang every collective for half an hour.
+    """
     tp_size, pcp_size = parallel.tensor_parallel_size, parallel.prefill_context_parallel_size
     tp_rank, pcp_rank = rank % tp_size, rank // tp_size
     tp = pcp = SINGLE
     for p in range(pcp_size):
         ranks = [p * tp_size + t for t in range(tp_size)]
-        group = dist.new_group(ranks) if tp_size > 1 else None
+        group = dist.new_group(ranks, timeout=collective_timeout()) if tp_size > 1 else None
         if p == pcp_rank and group is not None:
             tp = Group(tp_rank, tp_size, group)
     for t in range(tp_size):
         ranks = [p * tp_size + t for p in range(pcp_size)]
-        group = dist.new_group(ranks) if pcp_size > 1 else None
+        group = dist.new_group(ranks, timeout=collective_timeout()) if pcp_size > 1 else None
         if t == tp_rank and group is not None:
             pcp = Group(pcp_rank, pcp_size, group)
     world = tp_size * pcp_size

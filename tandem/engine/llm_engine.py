@@ -97,6 +97,8 @@ class LLMEngine:
         if len(token_ids) >= max_len:
             return (f"the prompt has {len(token_ids)} tokens, but max_model_len is {max_len}: "
                     "the prompt plus at least one generated token must fit")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+            return "the prompt's token ids must be integers"
         if vocab is not None and not all(0 <= t < vocab for t in token_ids):
             return f"the prompt has token ids outside the vocabulary [0, {vocab})"
         return None

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tandem.config import ConfigError
 from tandem.entrypoints.engine_args import EngineArgs
+from tandem.entrypoints.openai.limits import API_KEY_ENV, ServerLimits
 
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -60,6 +61,16 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: folder name)")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file or string, instead of the model folder's own")
+    d = ServerLimits()
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}, else no key)")
+    p.add_argument("--max-n", type=int, default=d.max_n, help="most choices (n) one request may ask for")
+    p.add_argument("--max-prompts-per-request", type=int, default=d.max_prompts_per_request,
+                   help="most prompts in one completions request")
+    p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
+                   help="largest request body; a larger one gets 413 before it is read")
     EngineArgs.add_cli_args(p)
 
 
@@ -155,8 +166,15 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     from tandem.entrypoints.openai.api_server import run_server
+    from tandem.entrypoints.openai.chat_template import resolve_chat_template
 
-    run_server(EngineArgs.from_cli_args(args), args.host, args.port, args.served_model_name)
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port={args.port} is not allowed: 0 to 65535")
+    limits = ServerLimits.with_env_key(args.api_key, max_n=args.max_n,
+                                       max_prompts_per_request=args.max_prompts_per_request,
+                                       max_request_bytes=args.max_request_bytes)
+    chat_template = resolve_chat_template(args.chat_template)
+    run_server(EngineArgs.from_cli_args(args), args.host, args.port, args.served_model_name, limits, chat_template)
     return 0
 
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import types
+import typing
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -18,6 +21,9 @@ from tandem.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from tandem.entrypoints.model_folder import check_model_folder
+
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
 @dataclass
@@ -49,10 +55,14 @@ class EngineArgs:
         if model is None:
             raise ConfigError(f"model=None: the bundled default model is missing from {DEFAULT_MODEL}; pass MODEL, "
                               "a local Hugging Face folder (config.json, *.safetensors, tokenizer.json)")
+        check_model_folder(model)
+        _check_device(self.device)
         speculative = self.speculative_config
         if (speculative is not None and speculative.get("method") == "dspark" and speculative.get("model") is None
                 and model == str(DEFAULT_MODEL)):
             speculative = {**speculative, "model": str(DEFAULT_DSPARK)}  # the bundled target's own drafter
+        if speculative is not None and isinstance(speculative.get("model"), str):
+            check_model_folder(speculative["model"])
         mc = ModelConfig.from_path(model, self.dtype, self.max_model_len, self.seed)
         return EngineConfig(
             model_config=mc,
@@ -105,12 +115,43 @@ def _json_arg(text: str) -> dict[str, Any]:
     return value
 
 
+def _check_device(device: str) -> None:
+    if not isinstance(device, str) or not _DEVICE.fullmatch(device):
+        raise ConfigError(f"device={device!r} is not allowed: cpu, cuda or cuda:N")
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device={device!r} is not allowed: this machine has no usable CUDA device "
+                              f"(torch {torch.__version__}); use cpu")
+        index = int(device.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise ConfigError(f"device={device!r} is not allowed: this machine has {torch.cuda.device_count()} "
+                              "CUDA device(s)")
+
+
+def _check_types(cls: type, name: str, values: dict[str, Any]) -> None:
+    """A JSON value of the wrong type (K as the string "3") is named here rather than failing a comparison later."""
+    hints = typing.get_type_hints(cls)
+    for key, value in values.items():
+        options = typing.get_args(hints[key]) if isinstance(hints[key], types.UnionType) else (hints[key],)
+        kinds = tuple(typing.get_origin(o) or o for o in options)
+        kinds = tuple(list if k is tuple else k for k in kinds) + ((tuple,) if tuple in kinds else ())
+        ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+        if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+            ok = True
+        if not ok:
+            allowed = " or ".join("null" if k is type(None) else k.__name__ for k in kinds if k is not tuple)
+            raise ConfigError(f"{name}.{key}={value!r} is not allowed: {allowed}")
+
+
 def _sub(cls: type, name: str, values: dict[str, Any] | None) -> Any:
     allowed = set(cls.__dataclass_fields__)
     unknown = set(values or {}) - allowed
     if unknown:
         raise ConfigError(f"{name} has unknown keys {sorted(unknown)}: allowed keys are {sorted(allowed)}")
     values = dict(values or {})
+    _check_types(cls, name, values)
     if "cudagraph_capture_sizes" in values:
         values["cudagraph_capture_sizes"] = tuple(values["cudagraph_capture_sizes"])
     if "num_speculative_tokens_per_batch_size" in values:

@@ -34,19 +34,28 @@ class LLM:
             raise ValueError(f"got {len(param_list)} SamplingParams for {len(prompts)} prompts")
         results: dict[str, RequestOutput] = {}
         order = []
-        for prompt, sp in zip(prompts, param_list, strict=True):
-            added = self.engine.add_request(_prompt_input(prompt), sp)
-            if isinstance(added, RequestOutput):
-                results[added.request_id] = added
+        # Every input is checked before any is queued, so a ValueError leaves nothing behind.
+        inputs = [_prompt_input(p) for p in prompts]
+        for sp in param_list:
+            if not isinstance(sp, SamplingParams):
+                raise ValueError(f"sampling_params={sp!r} is invalid: a SamplingParams or a list of them")
+        try:
+            for prompt, sp in zip(inputs, param_list, strict=True):
+                added = self.engine.add_request(prompt, sp)
+                if isinstance(added, RequestOutput):
+                    results[added.request_id] = added
                 order.append(added.request_id)
-            else:
-                order.append(added.request_id)
-        bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm, initial=len(results))
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                results[out.request_id] = out
-                bar.update(1)
-        bar.close()
+            bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm, initial=len(results))
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    results[out.request_id] = out
+                    bar.update(1)
+            bar.close()
+        except BaseException:
+            # a failed call (a bad request, Ctrl-C) must not leave its requests queued for the next call
+            for request_id in order:
+                self.engine.abort_request(request_id)
+            raise
         return [results[rid] for rid in order]
 
     @property
@@ -65,7 +74,10 @@ def _prompt_input(prompt: PromptType) -> str | list[int]:
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-        return list(prompt["prompt_token_ids"])
+        ids = prompt["prompt_token_ids"]
+        if not isinstance(ids, list | tuple) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError(f"prompt_token_ids={ids!r} is invalid: a list of integer token ids")
+        return list(ids)
     if isinstance(prompt, dict) and "prompt" in prompt:
         return str(prompt["prompt"])
     raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids' or 'prompt', got {prompt!r}")

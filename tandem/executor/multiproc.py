@@ -4,12 +4,16 @@ Control plane: each StepPlan is pickled down a pipe to every rank, and rank 0 se
 back (all ranks sample identical tokens). Idle workers wait on their pipe, so there is no timeout
 to trip between requests, and they exit when the engine process disappears. Data plane: tensors
 move over torch.distributed (gloo on CPU, NCCL on CUDA), whose collectives time out. A rank that
-raises, dies or hangs ends the engine with EngineDeadError naming it, and every rank is reaped.
+raises, dies or hangs ends the engine with EngineDeadError naming it, and every rank is reaped. Two lines of
+defence against a hung (e.g. SIGSTOPped) rank: its peers' collectives time out and report, and rank 0's answer
+to a step has a deadline (TANDEM_STEP_TIMEOUT_S, twice the collective timeout by default). The error is short
+(it reaches HTTP clients); the ranks' tracebacks go to the log.
 """
 
 from __future__ import annotations
 
 import atexit
+import logging
 import multiprocessing as mp
 import os
 import time
@@ -22,11 +26,18 @@ import torch
 import torch.distributed as dist
 
 from tandem.config import EngineConfig
-from tandem.distributed.init import build_groups, collective_timeout_s, free_loopback_port, init_distributed
+from tandem.distributed.init import (
+    build_groups,
+    collective_timeout_s,
+    free_loopback_port,
+    init_distributed,
+    step_timeout_s,
+)
 from tandem.engine.step_plan import StepOutput, StepPlan
 from tandem.worker.model_runner import ModelRunner
 
 _POLL_S = 0.2
+logger = logging.getLogger("tandem")
 
 
 class EngineDeadError(RuntimeError):
@@ -98,23 +109,24 @@ class MultiprocExecutor:
             raise EngineDeadError("the engine stopped after a rank failure; create a new LLM")
         for rank, conn in enumerate(self.conns):
             self._checked(rank, lambda c=conn: c.send(plan))
-        return self._receive(0, "output", None)
+        return self._receive(0, "output", time.monotonic() + step_timeout_s())
 
     def _receive(self, rank: int, expected: str, deadline: float | None) -> Any:
         """Wait for `expected` from `rank` while watching every rank for death or a reported error."""
+        deadline_s = 0.0 if deadline is None else deadline - time.monotonic()
         while True:
             if self._checked(rank, lambda: self.conns[rank].poll(_POLL_S)):
                 kind, payload = self._checked(rank, self.conns[rank].recv)
                 if kind == expected:
                     return payload
-                raise self._failure(f"rank {rank} raised:\n{payload}")
+                raise self._failure(f"rank {rank} sent {kind!r}", {rank: str(payload)})
             for other, (proc, conn) in enumerate(zip(self.procs, self.conns, strict=True)):
                 # During steps only rank 0 answers, so anything on another pipe is an error report.
                 reported = expected == "output" and other != rank and conn.poll(0)
                 if not proc.is_alive() or reported:
                     raise self._failure(f"rank {other} stopped")
             if deadline is not None and time.monotonic() > deadline:
-                raise self._failure(f"rank {rank} did not answer in time")
+                raise self._failure(f"rank {rank} did not answer within {deadline_s:.0f} s", hung=True)
 
     def _checked(self, rank: int, fn: Callable[[], Any]) -> Any:
         try:
@@ -122,25 +134,39 @@ class MultiprocExecutor:
         except (EOFError, BrokenPipeError, ConnectionResetError, OSError) as e:
             raise self._failure(f"rank {rank} is gone ({type(e).__name__})") from e
 
-    def _failure(self, fallback: str) -> EngineDeadError:
-        """Name the rank(s) that failed (a reported traceback or an exit code), then reap every rank."""
+    def _failure(self, fallback: str, errors: dict[int, str] | None = None, hung: bool = False) -> EngineDeadError:
+        """Name the rank(s) that failed (a reported error, an exit code, a stopped or silent process), log their
+        tracebacks, then reap every rank. `errors`: tracebacks already read off a pipe, by rank."""
         time.sleep(_POLL_S)  # let a crashing rank finish reporting
-        reasons = []
+        errors = dict(errors or {})
+        reported, reasons = set(), []
         for rank, (proc, conn) in enumerate(zip(self.procs, self.conns, strict=True)):
             try:
-                if conn.poll(0):
+                if rank not in errors and conn.poll(0):
                     kind, detail = conn.recv()
                     if kind == "error":
-                        reasons.append(f"rank {rank} raised:\n{detail}")
-                        continue
+                        errors[rank] = detail
             except (EOFError, OSError):
                 pass
+            if rank in errors:
+                logger.error("rank %d raised:\n%s", rank, errors[rank])
+                reasons.append(f"rank {rank} raised {_last_line(errors[rank])}")
+                reported.add(rank)
+                continue
             if not proc.is_alive() and proc.exitcode not in (0, None):
                 reasons.append(f"rank {rank} died (exit code {proc.exitcode})")
-        self.shutdown()
+                reported.add(rank)
+        if hung and not reported:
+            reasons.append(fallback)
+        if reported or hung:
+            # a peer that timed out waiting is the symptom; a live rank that reported nothing is the cause
+            for rank, proc in enumerate(self.procs):
+                if rank not in reported and proc.is_alive():
+                    reasons.append(f"rank {rank} is not responding ({_process_state(proc.pid)})")
+        self.shutdown(grace_s=1.0)
         return EngineDeadError("engine stopped: " + ("; ".join(reasons) if reasons else fallback))
 
-    def shutdown(self) -> None:
+    def shutdown(self, grace_s: float = 5.0) -> None:
         if not self.procs:
             return
         self._dead = True
@@ -149,10 +175,26 @@ class MultiprocExecutor:
                 conn.send(None)
             except (BrokenPipeError, OSError):
                 pass
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + grace_s
         for proc in self.procs:
             proc.join(max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.kill()
                 proc.join(5)
         self.procs, self.conns = [], []
+
+
+def _last_line(text: str) -> str:
+    """The exception line of a traceback: what a client may see (the frames, with their paths, go to the log)."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "an error"
+
+
+def _process_state(pid: int | None) -> str:
+    """'its process is stopped' for a SIGSTOPped rank (state T), else 'hung'; read from /proc where there is one."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "hung"
+    return "its process is stopped" if state in ("T", "t") else "hung"

@@ -73,7 +73,8 @@ def processed_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
     sorted_probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
     # top-p keeps the smallest prefix whose mass reaches p (the first token always stays)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    remove |= mass_before >= meta.top_p[:, None]
+    # ranks > 0: a top_p that underflows to 0 in float32 (1e-46) must still keep the top token
+    remove |= (mass_before >= meta.top_p[:, None]) & (ranks > 0)
     sorted_probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
     remove |= sorted_probs < meta.min_p[:, None] * sorted_probs[:, :1]
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))

@@ -7,6 +7,7 @@ Errors follow OpenAI's shape, `{"error": {"message", "type", "code"}}`, with sta
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -17,14 +18,16 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
 from tandem.entrypoints.engine_args import EngineArgs
-from tandem.entrypoints.openai.async_engine import AsyncEngine, EngineStopped
+from tandem.entrypoints.openai.async_engine import AsyncEngine, EngineStopped, short_error
+from tandem.entrypoints.openai.limits import ServerLimits, install_guards
 from tandem.entrypoints.openai.prometheus import render_metrics
+from tandem.entrypoints.openai.protocol import NotFound, chat_messages, check_unicode, reject_unsupported
 from tandem.entrypoints.openai.serving import BadRequest, respond
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # extras are checked: unimplemented ones are a 400 (protocol.py)
 
     model: str | None = None
     max_tokens: int | None = 16
@@ -59,9 +62,6 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = None
 
 
-MAX_LOGPROBS = 20  # as vLLM's default max_logprobs and OpenAI's top_logprobs bound
-
-
 def _error(message: str, status: int = 400) -> JSONResponse:
     kind = "BadRequestError" if status == 400 else "InternalServerError"
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
@@ -75,8 +75,11 @@ def _chat_template(model: str) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def build_app(engine: AsyncEngine, served_model_name: str, model_path: str) -> FastAPI:
+def build_app(engine: AsyncEngine, served_model_name: str, model_path: str,
+              limits: ServerLimits | None = None) -> FastAPI:
     app = FastAPI(title="tandem")
+    limits = limits or ServerLimits()
+    install_guards(app, limits)
     template_text = _chat_template(model_path)
 
     @app.exception_handler(RequestValidationError)
@@ -95,7 +98,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, model_path: str) -> F
 
     @app.get("/health")
     async def health() -> Any:
-        return _error(f"engine stopped: {engine.error}", 500) if engine.error else PlainTextResponse("ok")
+        return _error(f"engine stopped: {short_error(engine.error)}", 500) if engine.error else PlainTextResponse("ok")
 
     @app.get("/version")
     async def version() -> Any:
@@ -120,15 +123,18 @@ def build_app(engine: AsyncEngine, served_model_name: str, model_path: str) -> F
                                  media_type="text/plain; version=0.0.4")
 
     def params_of(req: _Sampling, max_tokens: int | None, logprobs: int | None = None,
-                  prompt_logprobs: int | None = None) -> SamplingParams:
+                  prompt_logprobs: int | None = None, logprobs_name: str = "logprobs",
+                  max_tokens_name: str = "max_tokens") -> SamplingParams:
         if req.model is not None and req.model != served_model_name:
-            raise BadRequest(f"model {req.model!r} does not exist: this server serves {served_model_name!r}")
-        if req.n < 1:
-            raise BadRequest(f"n={req.n} is not allowed: at least 1 choice")
+            raise NotFound(f"model {req.model!r} does not exist: this server serves {served_model_name!r}")
+        check_unicode(req.model_dump())
+        reject_unsupported(req.model_extra)
+        if not 1 <= req.n <= limits.max_n:
+            raise BadRequest(f"n={req.n} is not allowed: from 1 to {limits.max_n} choices (--max-n)")
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-            raise BadRequest(f"logprobs={logprobs} is not allowed: between 0 and {MAX_LOGPROBS}")
+            raise BadRequest(f"{logprobs_name}={logprobs} is not allowed: between 0 and {MAX_LOGPROBS}")
         if max_tokens is not None and max_tokens < 1:
-            raise BadRequest(f"max_tokens={max_tokens} is not allowed: at least 1")
+            raise BadRequest(f"{max_tokens_name}={max_tokens} is not allowed: at least 1")
         stop = [req.stop] if isinstance(req.stop, str) else req.stop
         try:
             return SamplingParams(n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
@@ -137,19 +143,28 @@ def build_app(engine: AsyncEngine, served_model_name: str, model_path: str) -> F
                                   stop_token_ids=req.stop_token_ids or [], min_tokens=req.min_tokens,
                                   include_stop_str_in_output=req.include_stop_str_in_output,
                                   skip_special_tokens=req.skip_special_tokens, prompt_logprobs=prompt_logprobs)
-        except ValueError as e:
-            raise BadRequest(str(e)) from e
+        except ValueError as e:  # named as the request names the field
+            message = str(e).removeprefix("SamplingParams.")
+            for internal, public in (("max_tokens=", f"{max_tokens_name}="), ("logprobs=", f"{logprobs_name}=")):
+                if message.startswith(internal):
+                    message = public + message.removeprefix(internal)
+            raise BadRequest(message) from e
 
-    def check_prompt(prompt: str | list[int]) -> None:
-        ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    async def check_prompt(prompt: str | list[int]) -> list[int]:
+        """The prompt's token ids; a long text takes a while to tokenize, so that runs off the event loop."""
+        if isinstance(prompt, str) and not prompt:
+            raise BadRequest("prompt is empty")
+        ids = await asyncio.to_thread(engine.tokenizer.encode_off_gil, prompt) if isinstance(prompt, str) else prompt
         if len(ids) >= engine.max_model_len:
             raise BadRequest(f"the prompt has {len(ids)} tokens, but the model's context (max_model_len) is "
                              f"{engine.max_model_len}: the prompt plus at least one generated token must fit")
+        return ids
 
     def respond_to(req: _Sampling, params: SamplingParams, prompts: list[str | list[int]], chat: bool,
-                   raw: Request, echo: bool = False) -> Any:
+                   raw: Request, echo: bool = False, prompt_ids: list[list[int]] | None = None) -> Any:
         include_usage = bool((req.stream_options or {}).get("include_usage"))
-        return respond(engine, params, prompts, served_model_name, chat, req.stream, include_usage, raw, echo)
+        return respond(engine, params, prompts, served_model_name, chat, req.stream, include_usage, raw, echo,
+                       prompt_ids)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Any:
@@ -162,9 +177,11 @@ def build_app(engine: AsyncEngine, served_model_name: str, model_path: str) -> F
             raise BadRequest("prompt is empty")
         batch = isinstance(req.prompt, list) and not isinstance(req.prompt[0], int)
         prompts: list[str | list[int]] = list(req.prompt) if batch else [req.prompt]  # type: ignore[list-item]
-        for prompt in prompts:
-            check_prompt(prompt)
-        return await respond_to(req, params, prompts, chat=False, raw=raw, echo=req.echo)
+        if len(prompts) > limits.max_prompts_per_request:
+            raise BadRequest(f"prompt holds {len(prompts)} prompts: at most {limits.max_prompts_per_request} per "
+                             "request (--max-prompts-per-request)")
+        prompt_ids = [await check_prompt(prompt) for prompt in prompts]
+        return await respond_to(req, params, prompts, chat=False, raw=raw, echo=req.echo, prompt_ids=prompt_ids)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Any:
@@ -172,16 +189,19 @@ def build_app(engine: AsyncEngine, served_model_name: str, model_path: str) -> F
             raise BadRequest("top_logprobs needs logprobs: true")
         top = (req.top_logprobs or 0) if req.logprobs else None
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = params_of(req, limit, top)
+        params = params_of(req, limit, top, logprobs_name="top_logprobs",
+                           max_tokens_name="max_completion_tokens" if req.max_completion_tokens is not None
+                           else "max_tokens")
+        messages = chat_messages(req.messages)
         if template_text is None:
             raise BadRequest(f"model {served_model_name!r} has no chat template (tokenizer_config.json "
                              "chat_template); use /v1/completions")
         import jinja2
 
-        prompt = jinja2.Template(template_text).render(messages=req.messages, add_generation_prompt=True,
+        prompt = jinja2.Template(template_text).render(messages=messages, add_generation_prompt=True,
                                                        bos_token="", eos_token="")
-        check_prompt(prompt)
-        return await respond_to(req, params, [prompt], chat=True, raw=raw)
+        ids = await check_prompt(prompt)
+        return await respond_to(req, params, [prompt], chat=True, raw=raw, prompt_ids=[ids])
 
     return app
 
@@ -190,23 +210,25 @@ def _exit_cleanly(signum: int, _frame: object) -> None:
     raise SystemExit(0)
 
 
-def run_server(args: EngineArgs, host: str, port: int, served_model_name: str | None) -> None:
+def run_server(args: EngineArgs, host: str, port: int, served_model_name: str | None,
+               limits: ServerLimits | None = None) -> None:
     import signal
 
     import uvicorn
 
     from tandem.assets import default_model
+    from tandem.entrypoints.openai.graceful import GracefulServer
 
     model = args.model or default_model() or ""
     engine = AsyncEngine(args)
     name = served_model_name or Path(model).name
-    app = build_app(engine, name, model)
+    app = build_app(engine, name, model, limits)
     # uvicorn catches SIGINT/SIGTERM, drains, then re-raises the signal once it has stopped; with these
     # handlers in place that re-raise becomes SystemExit, so the `finally` below still stops the ranks.
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, _exit_cleanly)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",
-                                           timeout_graceful_shutdown=10))
+    server = GracefulServer(engine, uvicorn.Config(app, host=host, port=port, log_level="info",
+                                                   timeout_graceful_shutdown=10))
     # As vLLM does, a dead engine (a rank gone) takes the server down, so a supervisor sees the process exit;
     # the open streams have already received the error.
     engine.on_error = lambda _e: setattr(server, "should_exit", True)
@@ -215,4 +237,4 @@ def run_server(args: EngineArgs, host: str, port: int, served_model_name: str | 
     finally:
         engine.shutdown()
     if engine.error is not None:
-        raise SystemExit(f"tandem serve: {engine.error}")
+        raise SystemExit(f"tandem serve: engine stopped: {short_error(engine.error)}")

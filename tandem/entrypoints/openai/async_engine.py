@@ -4,12 +4,16 @@ requests and read per-request streams of token deltas. Scope: threading and deli
 Submissions and aborts go through a queue the engine thread drains between steps, so the engine is only ever
 touched from its own thread. After every step each live request's new tokens are pushed to its asyncio queue
 with `loop.call_soon_threadsafe`; the final RequestOutput closes the stream.
+
+A request that fails at submission fails alone (its stream gets the error); only a failed step (a dead rank, a
+bug) stops the engine, and then every open stream gets a short error while the traceback goes to the log.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -18,13 +22,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.engine.llm_engine import LLMEngine
-from tandem.engine.metrics import Metric
+from tandem.engine.metrics import Counter, Metric
 from tandem.engine.parallel_sampling import ParentRequest
 from tandem.engine.request import Request
 from tandem.entrypoints.engine_args import EngineArgs
 from tandem.entrypoints.openai.prometheus import Histogram
 from tandem.outputs import CompletionOutput, RequestOutput
 from tandem.sampling_params import SamplingParams
+
+logger = logging.getLogger("tandem")
 
 
 class EngineStopped(RuntimeError):
@@ -61,6 +67,7 @@ class AsyncEngine:
         self.num_open_streams = 0  # generate() iterations not yet finished (the event loop's side)
         self.on_error: Callable[[BaseException], None] | None = None  # called on the engine thread when it dies
         self._metrics: list[Metric] = self.engine.get_metrics()
+        self.num_aborted = 0  # requests whose client hung up (or that the server cut at shutdown) before the end
         # request latencies, observed on the event loop as the deltas arrive
         self.ttft = Histogram("tandem:time_to_first_token_seconds")
         self.tpot = Histogram("tandem:time_per_output_token_seconds")
@@ -73,7 +80,7 @@ class AsyncEngine:
                        request_id: str | None = None) -> AsyncIterator[Delta]:
         """Deltas of one request; closing or cancelling the iteration (a client that went away) aborts it."""
         if self.error is not None:
-            raise EngineStopped(f"the engine stopped: {self.error}")
+            raise EngineStopped(f"the engine stopped: {short_error(self.error)}")
         request_id = request_id or f"req-{next(self._ids)}"
         out: asyncio.Queue[Delta] = asyncio.Queue()
         self._inbox.put(("add", (request_id, prompt, params, asyncio.get_running_loop(), out)))
@@ -108,8 +115,15 @@ class AsyncEngine:
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
+    def end_streams(self, reason: str) -> None:
+        """Abort every open request and end its stream with `reason` as an error (a server shutting down), so no
+        client is cut off without being told."""
+        self._inbox.put(("end_streams", reason))
+        self._wake.set()
+
     def metrics(self) -> list[Metric]:
-        return self._metrics  # refreshed by the engine thread after every step
+        # the engine's list is refreshed by the engine thread after every step
+        return [*self._metrics, Counter("tandem:request_aborted", self.num_aborted)]
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -131,11 +145,9 @@ class AsyncEngine:
                 self._publish(finished)
                 self._metrics = self.engine.get_metrics()
         except BaseException as e:  # a dead rank or a bug: fail every open stream instead of hanging it
+            logger.exception("the engine stopped")
             self.error = e
-            for request_id, st in list(self._streams.items()):
-                failed = RequestOutput(request_id, None, [], [], finished=True, error=f"the engine stopped: {e}")
-                st.loop.call_soon_threadsafe(st.out.put_nowait, Delta([], failed))
-            self._streams.clear()
+            self._fail_streams(f"the engine stopped: {short_error(e)}")
             if self.on_error is not None:
                 self.on_error(e)
 
@@ -150,20 +162,33 @@ class AsyncEngine:
             drained = True
             if kind == "add":
                 request_id, prompt, params, loop, out = payload
-                added = self.engine.add_request(prompt, params, request_id)
+                try:
+                    added = self.engine.add_request(prompt, params, request_id)
+                except Exception as e:  # noqa: BLE001  a request that cannot be added fails alone
+                    logger.warning("request %s rejected: %s", request_id, e)
+                    self.engine.abort_request(request_id)
+                    added = RequestOutput(request_id, None, [], [CompletionOutput(0, "", [], "error")], finished=True,
+                                          error=str(e))
                 if isinstance(added, RequestOutput):  # rejected at once (e.g. too long)
-                    loop.call_soon_threadsafe(out.put_nowait, Delta([], added))
+                    _deliver(loop, out, Delta([], added))
                 else:
                     choices = added.children if isinstance(added, ParentRequest) else [added]
                     self._streams[request_id] = _Stream(loop, out, choices, [0] * len(choices))
+            elif kind == "end_streams":
+                for request_id in list(self._streams):
+                    self.engine.abort_request(request_id)
+                    self.num_aborted += 1
+                self._fail_streams(payload)
             elif kind == "abort" and payload in self._streams:
+                logger.info("request %s aborted (the client went away)", payload)
+                self.num_aborted += 1
                 st = self._streams.pop(payload)
                 self.engine.abort_request(payload)  # frees its KV blocks at once
                 # end the stream too, so a reader still waiting on it (a non-streamed request whose client hung
                 # up) finishes instead of waiting forever
                 aborted = RequestOutput(payload, None, [], [CompletionOutput(i, "", list(r.output_token_ids), "abort")
                                                             for i, r in enumerate(st.choices)], finished=True)
-                st.loop.call_soon_threadsafe(st.out.put_nowait, Delta([], aborted))
+                _deliver(st.loop, st.out, Delta([], aborted))
 
     def _publish(self, finished: dict[str, RequestOutput]) -> None:
         for request_id, st in list(self._streams.items()):
@@ -172,9 +197,33 @@ class AsyncEngine:
                 if not new:
                     continue
                 logprobs = req.logprobs[st.sent[index]:] if req.logprobs is not None else None
-                st.loop.call_soon_threadsafe(st.out.put_nowait, Delta(list(new), None, index, logprobs))
+                _deliver(st.loop, st.out, Delta(list(new), None, index, logprobs))
                 st.sent[index] += len(new)
             final = finished.get(request_id)
             if final is not None:
-                st.loop.call_soon_threadsafe(st.out.put_nowait, Delta([], final))
+                _deliver(st.loop, st.out, Delta([], final))
                 del self._streams[request_id]
+
+    def _fail_streams(self, message: str) -> None:
+        """End every open stream with an error and no outputs (what handlers report as a stopped engine)."""
+        for request_id, st in list(self._streams.items()):
+            _deliver(st.loop, st.out, Delta([], RequestOutput(request_id, None, [], [], finished=True, error=message)))
+        self._streams.clear()
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, out: asyncio.Queue[Delta], delta: Delta) -> None:
+    """Hand a delta to the event loop; once that loop has closed (the server is gone) nobody is reading."""
+    try:
+        loop.call_soon_threadsafe(out.put_nowait, delta)
+    except RuntimeError:  # "Event loop is closed"
+        pass
+
+
+def short_error(e: BaseException) -> str:
+    """What a client may see of an engine failure: one line, no traceback or file paths (those go to the log)."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    if first.startswith("engine stopped: "):  # EngineDeadError: already one line naming the rank(s)
+        text = first.removeprefix("engine stopped: ")
+    else:
+        text = f"{type(e).__name__}: {first}" if first else type(e).__name__
+    return text[:500]

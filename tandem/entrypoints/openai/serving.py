@@ -19,7 +19,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from tandem.entrypoints.openai.async_engine import AsyncEngine, Delta
+from tandem.entrypoints.openai.async_engine import AsyncEngine, Delta, EngineStopped
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 
@@ -108,15 +108,18 @@ async def _watch_disconnect(raw: Request, engine: AsyncEngine, request_ids: list
 
 
 async def respond(engine: AsyncEngine, params: SamplingParams, prompts: list[str | list[int]], model: str,
-                  chat: bool, stream: bool, include_usage: bool, raw: Request, echo: bool = False) -> Any:
-    """echo (completions): each choice's text starts with its prompt's text."""
+                  chat: bool, stream: bool, include_usage: bool, raw: Request, echo: bool = False,
+                  prompt_ids: list[list[int]] | None = None) -> Any:
+    """echo (completions): each choice's text starts with its prompt's text. prompt_ids: the prompts already
+    tokenized (off the event loop), which the engine then takes instead of tokenizing on its own thread."""
     kind = "chat.completion" if chat else "text_completion"
     echoed = [(p if isinstance(p, str) else engine.tokenizer.decode(p)) if echo else "" for p in prompts]
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
     created, n = int(time.time()), params.n
     watcher = asyncio.create_task(_watch_disconnect(raw, engine, ids))
-    streams = [engine.generate(p, params, request_id) for p, request_id in zip(prompts, ids, strict=True)]
+    inputs: list[str | list[int]] = list(prompt_ids) if prompt_ids is not None else prompts
+    streams = [engine.generate(p, params, request_id) for p, request_id in zip(inputs, ids, strict=True)]
 
     async def close() -> None:
         watcher.cancel()
@@ -128,7 +131,7 @@ async def respond(engine: AsyncEngine, params: SamplingParams, prompts: list[str
     for first in firsts:
         if first.final is not None and first.final.error is not None:
             await close()
-            raise BadRequest(first.final.error)
+            _raise_for(first.final)
 
     if not stream:
         async def drain(s: AsyncIterator[Delta], delta: Delta) -> RequestOutput:
@@ -142,7 +145,7 @@ async def respond(engine: AsyncEngine, params: SamplingParams, prompts: list[str
             await close()
         for final in finals:
             if final.error is not None:
-                raise BadRequest(final.error)
+                _raise_for(final)
         choices = [_choice(engine, params, chat, i * n + out.index, out, echoed[i], final)
                    for i, final in enumerate(finals) for out in final.outputs]
         return {"id": rid, "object": kind, "created": created, "model": model, "choices": choices,
@@ -180,8 +183,11 @@ async def respond(engine: AsyncEngine, params: SamplingParams, prompts: list[str
             async for event in _events():
                 yield event
         finally:
+            # A pump may be inside anext() of its stream: cancel it and let it unwind before closing the streams,
+            # or aclose() meets a generator that is still running (a client hanging up mid-stream).
             for task in pumps:
                 task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
             await close()
 
     async def _events() -> AsyncIterator[str]:
@@ -219,6 +225,14 @@ async def respond(engine: AsyncEngine, params: SamplingParams, prompts: list[str
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _raise_for(final: RequestOutput) -> None:
+    """A failed request is the client's fault (400) unless it has no outputs: the engine stopped, or the server is
+    shutting down (500)."""
+    if not final.outputs:
+        raise EngineStopped(final.error)
+    raise BadRequest(final.error)
 
 
 def _choice(engine: AsyncEngine, params: SamplingParams, chat: bool, index: int, out: Any,

@@ -61,8 +61,6 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: folder name)")
-    p.add_argument("--chat-template", default=None,
-                   help="a Jinja chat template file or string, instead of the model folder's own")
     d = ServerLimits()
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}, else no key)")
@@ -166,15 +164,12 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     from tandem.entrypoints.openai.api_server import run_server
-    from tandem.entrypoints.openai.chat_template import resolve_chat_template
-
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port={args.port} is not allowed: 0 to 65535")
     limits = ServerLimits.with_env_key(args.api_key, max_n=args.max_n,
                                        max_prompts_per_request=args.max_prompts_per_request,
                                        max_request_bytes=args.max_request_bytes)
-    chat_template = resolve_chat_template(args.chat_template)
-    run_server(EngineArgs.from_cli_args(args), args.host, args.port, args.served_model_name, limits, chat_template)
+    run_server(EngineArgs.from_cli_args(args), args.host, args.port, args.served_model_name, limits)
     return 0
 
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 
 def _read_json(path: Path) -> dict:
@@ -53,8 +55,12 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def id_to_token(self, token_id: int) -> str:
+        """The vocabulary entry of a token (e.g. "Ġhello", "<0xE2>"), as HF's convert_ids_to_tokens."""
+        return self._tok.id_to_token(token_id) or ""
 
     def encode_off_gil(self, text: str) -> list[int]:
         """encode(), through the batch call, which releases the GIL (encode holds it): a long text tokenized on a
@@ -63,6 +69,12 @@ class Tokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, skip_special_tokens: bool = True) -> Callable[[int], str]:
+        """An incremental decoder (tokenizers' DecodeStream, O(1) a token): feed one token id, get the text it
+        adds ("" while a UTF-8 character or a merge is unfinished)."""
+        stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        return lambda token_id: stream.step(self._tok, token_id) or ""
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for; a token holding part of a UTF-8 character decodes to U+FFFD,

@@ -8,7 +8,6 @@ Errors follow OpenAI's shape, `{"error": {"message", "type", "code"}}`, with sta
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +18,12 @@ from pydantic import BaseModel, ConfigDict
 
 from tandem.entrypoints.engine_args import EngineArgs
 from tandem.entrypoints.openai.async_engine import AsyncEngine, EngineStopped, short_error
+from tandem.entrypoints.openai.chat_template import ChatTemplate, ChatTemplateError
 from tandem.entrypoints.openai.limits import ServerLimits, install_guards
 from tandem.entrypoints.openai.prometheus import render_metrics
 from tandem.entrypoints.openai.protocol import NotFound, chat_messages, check_unicode, reject_unsupported
 from tandem.entrypoints.openai.serving import BadRequest, respond
+from tandem.entrypoints.openai.tokenize import add_tokenizer_routes
 from tandem.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
@@ -67,20 +68,13 @@ def _error(message: str, status: int = 400) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
-def _chat_template(model: str) -> str | None:
-    path = Path(model) / "tokenizer_config.json"
-    if not path.is_file():
-        return None
-    template = json.loads(path.read_text()).get("chat_template")
-    return template if isinstance(template, str) else None
-
-
 def build_app(engine: AsyncEngine, served_model_name: str, model_path: str,
-              limits: ServerLimits | None = None) -> FastAPI:
+              limits: ServerLimits | None = None, chat_template: str | None = None) -> FastAPI:
     app = FastAPI(title="tandem")
     limits = limits or ServerLimits()
     install_guards(app, limits)
-    template_text = _chat_template(model_path)
+    template = ChatTemplate(model_path, chat_template)
+    add_tokenizer_routes(app, engine, served_model_name, model_path, template)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -193,13 +187,10 @@ def build_app(engine: AsyncEngine, served_model_name: str, model_path: str,
                            max_tokens_name="max_completion_tokens" if req.max_completion_tokens is not None
                            else "max_tokens")
         messages = chat_messages(req.messages)
-        if template_text is None:
-            raise BadRequest(f"model {served_model_name!r} has no chat template (tokenizer_config.json "
-                             "chat_template); use /v1/completions")
-        import jinja2
-
-        prompt = jinja2.Template(template_text).render(messages=messages, add_generation_prompt=True,
-                                                       bos_token="", eos_token="")
+        try:
+            prompt = template.render(messages)
+        except ChatTemplateError as e:
+            raise BadRequest(str(e)) from e
         ids = await check_prompt(prompt)
         return await respond_to(req, params, [prompt], chat=True, raw=raw, prompt_ids=[ids])
 
@@ -211,7 +202,7 @@ def _exit_cleanly(signum: int, _frame: object) -> None:
 
 
 def run_server(args: EngineArgs, host: str, port: int, served_model_name: str | None,
-               limits: ServerLimits | None = None) -> None:
+               limits: ServerLimits | None = None, chat_template: str | None = None) -> None:
     import signal
 
     import uvicorn
@@ -222,7 +213,7 @@ def run_server(args: EngineArgs, host: str, port: int, served_model_name: str | 
     model = args.model or default_model() or ""
     engine = AsyncEngine(args)
     name = served_model_name or Path(model).name
-    app = build_app(engine, name, model, limits)
+    app = build_app(engine, name, model, limits, chat_template)
     # uvicorn catches SIGINT/SIGTERM, drains, then re-raises the signal once it has stopped; with these
     # handlers in place that re-raise becomes SystemExit, so the `finally` below still stops the ranks.
     for signum in (signal.SIGINT, signal.SIGTERM):

@@ -18,15 +18,10 @@ def _read_json(path: Path) -> dict:
 
 @cache
 def _byte_level_chars() -> dict[str, int]:
-    """The inverse of byte-level BPE's printable alphabet (GPT-2's bytes_to_unicode): char -> byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
-                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
-    chars, extra = {chr(b): b for b in printable}, 0
-    for b in range(256):
-        if b not in printable:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
+    """The inverse of byte-level BPE's printable alphabet (GPT-2's bytes_to_unicode, from transformers)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens

@@ -1,57 +1,59 @@
-"""Engine metrics in Prometheus' text exposition format: counters as `<name>_total` with their TYPE line, as
-prometheus_client writes them; request latency histograms (TTFT, time per output token, end to end); the
-per-position accepted-token vector as one labelled counter; the draft mode as an info gauge."""
+"""Engine metrics in Prometheus' text exposition, written by prometheus_client: counters (`<name>_total`), gauges,
+request latency histograms with vLLM's buckets (TTFT, time per output token, end to end), the per-position
+accepted-token vector as one labelled counter, and the draft mode as an info gauge."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
 
-from tandem.engine.metrics import Counter, Gauge, Metric, Vector
+import prometheus_client
+from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, Metric
+
+from tandem.engine.metrics import Counter, Gauge, Vector
+from tandem.engine.metrics import Metric as EngineMetric
 
 # vLLM's latency buckets, in seconds
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0)
+CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
 
 
-@dataclass
-class Histogram:
-    name: str
-    buckets: tuple[float, ...] = LATENCY_BUCKETS
-    counts: list[int] = field(default_factory=list)  # per bucket, not cumulative; last = +Inf
-    total: float = 0.0
-    count: int = 0
+class Histogram(prometheus_client.Histogram):
+    """A latency histogram with vLLM's buckets, owned by one server (not in prometheus_client's global registry,
+    so several engines in one process keep their own)."""
 
-    def observe(self, value: float) -> None:
-        if not self.counts:
-            self.counts = [0] * (len(self.buckets) + 1)
-        index = next((i for i, b in enumerate(self.buckets) if value <= b), len(self.buckets))
-        self.counts[index] += 1
-        self.total += value
-        self.count += 1
-
-    def render(self) -> list[str]:
-        lines, running = [f"# TYPE {self.name} histogram"], 0
-        counts = self.counts or [0] * (len(self.buckets) + 1)
-        for bound, n in zip((*self.buckets, float("inf")), counts, strict=True):
-            running += n
-            le = "+Inf" if bound == float("inf") else repr(bound)
-            lines.append(f'{self.name}_bucket{{le="{le}"}} {float(running)}')
-        return lines + [f"{self.name}_sum {self.total}", f"{self.name}_count {float(self.count)}"]
+    def __init__(self, name: str, documentation: str = ""):
+        super().__init__(name, documentation or name, buckets=LATENCY_BUCKETS, registry=None)
 
 
-def render_metrics(metrics: list[Metric], draft_mode: str | None, histograms: list[Histogram] = ()) -> str:
-    lines: list[str] = []
-    for h in histograms:
-        lines += h.render()
-    for m in metrics:
-        if isinstance(m, Counter):
-            lines += [f"# TYPE {m.name}_total counter", f"{m.name}_total {float(m.value)}"]
-        elif isinstance(m, Gauge):
-            lines += [f"# TYPE {m.name} gauge", f"{m.name} {float(m.value)}"]
-        elif isinstance(m, Vector):
-            lines.append(f"# TYPE {m.name}_total counter")
-            lines += [f'{m.name}_total{{position="{i}"}} {float(v)}' for i, v in enumerate(m.values)]
-    # an info metric the way vLLM writes its *_info metrics in the text format: a gauge of 1 with labels
-    lines += ["# TYPE tandem:spec_decode_draft_mode_info gauge",
-              f'tandem:spec_decode_draft_mode_info{{mode="{draft_mode or "none"}"}} 1.0']
-    return "\n".join(lines) + "\n"
+class _EngineCollector:
+    """One scrape's view of the engine: its counters and gauges as they are now, plus the latency histograms."""
+
+    def __init__(self, metrics: list[EngineMetric], draft_mode: str | None, histograms: Sequence[Histogram]):
+        self.metrics, self.draft_mode, self.histograms = metrics, draft_mode, histograms
+
+    def collect(self) -> Iterator[Metric]:
+        for h in self.histograms:
+            yield from h.collect()
+        for m in self.metrics:
+            if isinstance(m, Counter):
+                yield CounterMetricFamily(m.name, m.name, value=m.value)
+            elif isinstance(m, Gauge):
+                yield GaugeMetricFamily(m.name, m.name, value=m.value)
+            elif isinstance(m, Vector):
+                family = CounterMetricFamily(m.name, m.name, labels=["position"])
+                for i, v in enumerate(m.values):
+                    family.add_metric([str(i)], v)
+                yield family
+        # an info metric the way vLLM writes its *_info metrics: a gauge of 1 with labels
+        info = GaugeMetricFamily("tandem:spec_decode_draft_mode_info", "speculative decoding draft mode",
+                                 labels=["mode"])
+        info.add_metric([self.draft_mode or "none"], 1.0)
+        yield info
+
+
+def render_metrics(metrics: list[EngineMetric], draft_mode: str | None,
+                   histograms: Sequence[Histogram] = ()) -> str:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_EngineCollector(metrics, draft_mode, histograms))
+    return prometheus_client.generate_latest(registry).decode()

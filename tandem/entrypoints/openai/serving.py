@@ -20,37 +20,13 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from tandem.entrypoints.openai.async_engine import AsyncEngine, Delta, EngineStopped
+from tandem.entrypoints.openai.text_stream import TextStream
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
 
 
 class BadRequest(Exception):
     pass
-
-
-class _TextStream:
-    """Incremental detokenization: decode the whole output, emit what is new, hold back an unfinished UTF-8
-    character and anything that could still turn out to be the start of a stop string."""
-
-    def __init__(self, engine: AsyncEngine, params: SamplingParams):
-        self.tokenizer, self.ids, self.sent = engine.tokenizer, [], ""
-        self.skip_special_tokens = params.skip_special_tokens
-        self.hold = max((len(s) for s in params.stop or []), default=1) - 1
-
-    def push(self, token_ids: list[int]) -> str:
-        self.ids += token_ids
-        text = self.tokenizer.decode(self.ids, self.skip_special_tokens)
-        if text.endswith("\ufffd"):
-            return ""
-        ready = text[: len(text) - self.hold] if self.hold else text
-        new = ready[len(self.sent):] if ready.startswith(self.sent) else ""
-        self.sent += new
-        return new
-
-    def finish(self, final_text: str) -> str:
-        new = final_text[len(self.sent):] if final_text.startswith(self.sent) else ""
-        self.sent += new
-        return new
 
 
 class _Logprobs:
@@ -192,7 +168,7 @@ async def respond(engine: AsyncEngine, params: SamplingParams, prompts: list[str
 
     async def _events() -> AsyncIterator[str]:
         num_choices = len(prompts) * n
-        texts = [_TextStream(engine, params) for _ in range(num_choices)]
+        texts = [TextStream(engine.tokenizer, params) for _ in range(num_choices)]
         logprobs = [_Logprobs(engine, chat, params.logprobs or 0) for _ in range(num_choices)]
         for index in range(num_choices):
             if chat:

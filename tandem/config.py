@@ -125,7 +125,6 @@ class ParallelConfig:
                   f"a divisor of n_routed_experts ({experts}) with enable_expert_parallel")
 
 
-
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str | None = None
@@ -147,6 +146,28 @@ class SpeculativeConfig:
     @property
     def max_num_speculative_tokens(self) -> int:
         return max([self.num_speculative_tokens, *(k for _, k in self.num_speculative_tokens_per_batch_size)])
+
+    @property
+    def num_lookahead_slots(self) -> int:
+        """KV slots a sampling row reserves past its tokens: model drafters (MTP, DSpark) write their own KV at
+        the next step's draft positions while proposing; n-gram writes nothing."""
+        return self.max_num_speculative_tokens if self.method in ("mtp", "dspark") else 0
+
+    @property
+    def drops_last_prefix_hit_block(self) -> bool:
+        """MTP's KV entry at a cached block's last position was computed from the next token of the request
+        that cached it, so the last hit block is recomputed (as vLLM does for EAGLE/MTP)."""
+        return self.method == "mtp"
+
+    @property
+    def uses_mtp_layers(self) -> bool:
+        """The checkpoint's MTP layers draft; otherwise they are not even loaded (vLLM loads them into its drafter)."""
+        return self.method == "mtp"
+
+    @property
+    def keeps_token_history(self) -> bool:
+        """The drafter reads each request's whole token history (n-gram), so admissions send it once."""
+        return self.method == "ngram"
 
     def num_tokens_for_batch(self, num_running: int) -> int:
         """K for a step with `num_running` running requests."""
@@ -198,13 +219,25 @@ DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384,
 
 @dataclass(frozen=True)
 class CompilationConfig:
-    """`PIECEWISE`: a step of at most max(capture sizes) tokens is padded up to the next capture size, and so
-    are MTP's one-token draft decodes (DESIGN §5). On CUDA those fixed shapes are what graphs would replay; on
-    CPU tandem runs them eagerly, so the padding rules are the same code either way. `FULL` is accepted only
-    without PCP (and then behaves as PIECEWISE: tandem captures no graphs of its own)."""
+    """vLLM's names. `mode`: 0 / "NONE" runs the model eagerly; 3 / "VLLM_COMPILE" compiles it with torch.compile
+    (inductor), split at the attention, MoE-expert and collective calls, which run eagerly between the compiled
+    pieces (vLLM's PIECEWISE); a failed compile falls back to eager with one warning.
+    `cudagraph_mode` "PIECEWISE": a step of at most max(capture sizes) tokens is padded up to the next capture
+    size, and so are MTP's one-token draft decodes (DESIGN §5); on CUDA the compiled pieces are replayed as CUDA
+    graphs at those sizes. `FULL` is accepted only without PCP (and then behaves as PIECEWISE)."""
 
+    mode: int | str = 0
     cudagraph_mode: str = "NONE"
     cudagraph_capture_sizes: tuple[int, ...] = ()
+
+    @property
+    def level(self) -> int:
+        """`mode` as its number (names accepted as vLLM spells them)."""
+        return COMPILATION_MODES.get(self.mode, self.mode) if isinstance(self.mode, str) else self.mode
+
+    @property
+    def compiles(self) -> bool:
+        return self.level == COMPILATION_MODES["VLLM_COMPILE"]
 
     @property
     def pads(self) -> bool:
@@ -221,6 +254,7 @@ class CompilationConfig:
         return next((size for size in self.capture_sizes if size >= num_tokens), num_tokens)
 
 
+COMPILATION_MODES = {"NONE": 0, "VLLM_COMPILE": 3}
 CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL")
 SPEC_METHODS = ("mtp", "dspark", "ngram")
 
@@ -261,6 +295,10 @@ class EngineConfig:
         p.check_model(m)
         self.speculative_config.validate(m)
         self._reject_unsupported()
+        mode = self.compilation_config.mode
+        if isinstance(mode, bool) or self.compilation_config.level not in COMPILATION_MODES.values():
+            _fail("compilation_config.mode", mode, "0 / \"NONE\" (eager) or 3 / \"VLLM_COMPILE\" (torch.compile, "
+                  "split at attention)")
         if self.compilation_config.cudagraph_mode not in CUDAGRAPH_MODES:
             _fail("compilation_config.cudagraph_mode", self.compilation_config.cudagraph_mode,
                   f"one of {', '.join(CUDAGRAPH_MODES)}")

@@ -91,7 +91,7 @@ def test_draft_bound_covers_a_request_that_accepted_everything():
     decodes after a full acceptance sit at positions 44 and 45 (46 keys). The bound from step n+1's own batch
     covers them; the previous step's bound (40 + 3 = 43) does not, and the proposer refuses it loudly."""
     from tandem.engine.step_plan import RowSampling, ScheduledRow, StepPlan
-    from tandem.spec_decode.mtp_proposer import MTPProposer, draft_max_seq_len
+    from tandem.spec_decode.mtp_proposer import DraftDecodeMetadata, draft_max_seq_len
     from tandem.worker.input_batch import prepare_inputs
 
     k, block_size, max_model_len = 3, 16, 128
@@ -106,11 +106,10 @@ def test_draft_bound_covers_a_request_that_accepted_everything():
     previous, current = prepare_inputs(step(36), block_size, "cpu"), prepare_inputs(step(40), block_size, "cpu")
     stale, fresh = draft_max_seq_len(previous, k, max_model_len), draft_max_seq_len(current, k, max_model_len)
     assert stale == 43 and fresh == 47
-    proposer = MTPProposer(None, {}, block_size, max_model_len, probabilistic=False)  # type: ignore[arg-type]
     # the long row accepted everything (last valid position 43): its second draft decode runs at position 45
     positions = torch.tensor([45, 9])
-    meta = proposer._decode_metadata(step(40), current, positions, fresh)
+    meta = DraftDecodeMetadata(step(40), current, block_size, max_model_len, fresh).at(positions)
     assert int(meta.seq_lens_cpu.max()) == 46 <= fresh
     with pytest.raises(RuntimeError, match="draft attention bound 43 does not cover a draft row of 46 keys"):
-        proposer._decode_metadata(step(40), current, positions, stale)
+        DraftDecodeMetadata(step(40), current, block_size, max_model_len, stale).at(positions)
     assert draft_max_seq_len(current, k, max_model_len=45) == 45  # clamped to max_model_len

@@ -13,7 +13,7 @@ from engine_utils import random_prompts, record_steps
 from hf_oracle import load_hf_model
 from safetensors import safe_open
 
-import tandem.engine.llm_engine as llm_engine
+import tandem.spec_decode.ngram as ngram
 from tandem import LLM, SamplingParams
 from tandem.config import ConfigError
 from tandem.spec_decode.metrics import SpecDecodeStats
@@ -227,7 +227,7 @@ def test_all_accepted_drafts_earn_the_bonus_token(tiny_checkpoints, monkeypatch)
                 return full[len(tokens):len(tokens) + k]
         raise AssertionError("unknown sequence")
 
-    monkeypatch.setattr(llm_engine, "propose_ngram", perfect_drafter)
+    monkeypatch.setattr(ngram, "propose_ngram", perfect_drafter)
     llm, outs = _generate(path, prompts, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     for out, prompt in zip(outs, prompts, strict=True):
         assert out.outputs[0].token_ids == future[tuple(prompt)].outputs[0].token_ids

@@ -11,6 +11,7 @@ from torch import nn
 
 from tandem.attention.forward_context import get_forward_context
 from tandem.attention.mla import MLAUpProjection
+from tandem.compilation import opaque_ops
 
 
 class Attention(nn.Module):
@@ -22,11 +23,17 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.kv_cache = torch.empty(0)
+        self.layer_name = opaque_ops.register_layer(self)
 
     def kv_spec(self) -> tuple[int, int]:
         return self.num_kv_heads, self.head_dim
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # a split point: the compiled pieces end and resume around it
+            return torch.ops.tandem.attention(q, k, v, self.layer_name)
+        return self.forward_eager(q, k, v)
+
+    def forward_eager(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         t = q.shape[0]
         # one gather for K and V: under PCP every rank writes every rank's prefill K/V into its cache
@@ -55,13 +62,20 @@ class MLAAttention(nn.Module):
         self.num_heads, self.kv_lora_rank = num_heads, kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim, self.scale = qk_nope_head_dim, qk_rope_head_dim, v_head_dim, scale
         self.kv_cache = torch.empty(0)
+        self.layer_name = opaque_ops.register_layer(self)
 
     def kv_spec(self) -> tuple[int, int]:
         return self.kv_lora_rank, self.rope_dim
 
     def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
                 kv_b_weight: torch.Tensor) -> torch.Tensor:
-        # q_nope: [T, H, nope]; q_pe: [T, H, rope]; kv_c: [T, L] (normed); k_pe: [T, rope] (rotated)
+        # q_nope: [T, H, nope]; q_pe: [T, H, rope]; kv_c: [T, L] (normed); k_pe: [T, rope] (rotated) -> [T, H * v]
+        if torch.compiler.is_compiling():  # a split point, as Attention's
+            return torch.ops.tandem.mla_attention(q_nope, q_pe, kv_c, k_pe, kv_b_weight, self.layer_name)
+        return self.forward_eager(q_nope, q_pe, kv_c, k_pe, kv_b_weight)
+
+    def forward_eager(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                      kv_b_weight: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         w = kv_b_weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         up = MLAUpProjection(w_uk=w[:, : self.nope_dim], w_uv=w[:, self.nope_dim:])  # [H, nope, L], [H, v, L]

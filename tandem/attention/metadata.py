@@ -45,13 +45,16 @@ class AttentionMetadata:
 
 def build_attention_metadata(positions: torch.Tensor, query_start_loc_cpu: torch.Tensor,
                              seq_lens_cpu: torch.Tensor, block_table: torch.Tensor, block_size: int,
-                             write_rows: torch.Tensor, write_slots: torch.Tensor) -> AttentionMetadata:
+                             write_rows: torch.Tensor, write_slots: torch.Tensor,
+                             key_bound: int | None = None) -> AttentionMetadata:
     """`write_rows` index the K/V tensor the attention layer hands the backend: this step's own rows, or
-    under PCP the all-gathered rows of every rank."""
+    under PCP the all-gathered rows of every rank. `key_bound`: gather the short rows' keys up to this many
+    positions (instead of their current seq_lens), so the same slots serve later decodes of the same rows."""
     return AttentionMetadata(
         positions=positions, query_start_loc_cpu=query_start_loc_cpu, seq_lens_cpu=seq_lens_cpu,
         block_table=block_table, block_size=block_size,
-        groups=_plan_groups(positions, query_start_loc_cpu, seq_lens_cpu, block_table, block_size, QUERY_BLOCK),
+        groups=_plan_groups(positions, query_start_loc_cpu, seq_lens_cpu, block_table, block_size, QUERY_BLOCK,
+                            key_bound),
         write_rows=write_rows, write_slots=write_slots)
 
 
@@ -62,24 +65,25 @@ def row_groups(meta: AttentionMetadata) -> list[PrefixGroup]:
                         meta.block_size, None)
 
 
-def _plan_groups(positions: torch.Tensor, qsl: torch.Tensor, seq_lens: torch.Tensor,
-                 block_table: torch.Tensor, block_size: int, query_block: int | None) -> list[PrefixGroup]:
+def _plan_groups(positions: torch.Tensor, qsl: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                 block_size: int, query_block: int | None, key_bound: int | None = None) -> list[PrefixGroup]:
     # Short rows (decodes, and verification rows of K + 1 tokens) are batched together, padded to the
     # longest of them; each longer row (a prompt chunk) gets its own groups, so a decode never pads up to
     # a chunk's length and a batch of verifications costs one SDPA call per layer, not one per row.
     # A piece is (row, first query offset in the row, number of queries).
     q_lens = (qsl[1:] - qsl[:-1]).tolist()
     short = [(i, 0, n) for i, n in enumerate(q_lens) if n <= SHORT_ROW_TOKENS]
-    groups = [short] if short else []
+    groups = [_group(short, positions, qsl, seq_lens, block_table, block_size, key_bound)] if short else []
     for i, n in enumerate(q_lens):
         if n > SHORT_ROW_TOKENS:
             step = query_block or n
-            groups += [[(i, j, min(step, n - j))] for j in range(0, n, step)]
-    return [_group(pieces, positions, qsl, seq_lens, block_table, block_size) for pieces in groups]
+            groups += [_group([(i, j, min(step, n - j))], positions, qsl, seq_lens, block_table, block_size)
+                       for j in range(0, n, step)]
+    return groups
 
 
 def _group(pieces: list[tuple[int, int, int]], positions: torch.Tensor, qsl: torch.Tensor, seq_lens: torch.Tensor,
-           block_table: torch.Tensor, block_size: int) -> PrefixGroup:
+           block_table: torch.Tensor, block_size: int, key_bound: int | None = None) -> PrefixGroup:
     device = positions.device
     idx = torch.tensor([row for row, _, _ in pieces], dtype=torch.int64)
     starts = qsl[idx].long() + torch.tensor([off for _, off, _ in pieces], dtype=torch.int64)
@@ -89,12 +93,15 @@ def _group(pieces: list[tuple[int, int, int]], positions: torch.Tensor, qsl: tor
     # the row's end sees seq_len - tail keys: computed on the CPU, no device read per step.
     tail = (qsl[idx + 1] - qsl[idx]).long() - torch.tensor([off + n for _, off, n in pieces], dtype=torch.int64)
     visible = seq_lens[idx].long() - tail  # [G]
+    if key_bound is not None:
+        visible = torch.full_like(visible, key_bound)
     q_max, s_max = int(lens.max()), int(visible.max())
     q_off = torch.arange(q_max)
     token_valid = q_off[None, :] < lens[:, None]  # [G, Q]
     token_idx = (starts[:, None] + torch.minimum(q_off[None, :], lens[:, None] - 1)).to(device)
     k_pos = torch.arange(s_max, device=device)  # [S]
-    blocks = block_table[idx.to(device)][:, k_pos // block_size].long()  # [G, S]
+    # a key bound may reach past the table's width: those keys are masked, any block id does
+    blocks = block_table[idx.to(device)][:, (k_pos // block_size).clamp(max=block_table.shape[1] - 1)].long()
     k_valid = k_pos[None, :] < visible.to(device)[:, None]
     kv_slots = torch.where(k_valid, blocks * block_size + k_pos % block_size, 0)
     q_pos = positions[token_idx]  # [G, Q]

@@ -5,10 +5,12 @@ Layers never look up ranks globally: they receive a `Group` (rank, size, torch P
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from tandem.compilation import opaque_ops
 
 
 @dataclass(frozen=True)
@@ -16,10 +18,17 @@ class Group:
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | None = None
+    name: str = field(default="", compare=False)  # how the compiled model's all_reduce op finds `group`
+
+    def __post_init__(self) -> None:
+        if self.group is not None:
+            object.__setattr__(self, "name", opaque_ops.group_name(self.group))
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return x
+        if torch.compiler.is_compiling():  # collectives are opaque to the compiler (a split point)
+            return torch.ops.tandem.all_reduce(x, self.name)
         dist.all_reduce(x, group=self.group)
         return x
 

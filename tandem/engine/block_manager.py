@@ -109,12 +109,12 @@ class BlockManager:
         keys are in place when the later request reads them."""
         if not self.enable_prefix_caching:
             return
-        bs, tokens = self.block_size, req.all_token_ids
+        bs = self.block_size
         # accepted drafts are computed before they are appended to the request's tokens
         done = req.num_computed_tokens if num_tokens is None else num_tokens
-        num_full = min(min(done, len(tokens)) // bs, len(req.block_ids))
-        for i in range(len(req.block_hashes), num_full):
-            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+        num_full = min(min(done, req.num_tokens) // bs, len(req.block_ids))
+        for i in range(len(req.block_hashes), num_full):  # only the newly full blocks' tokens are read
+            chunk = tuple(req.token_slice(i * bs, (i + 1) * bs))
             h = chain_hash(req.block_hashes[-1] if req.block_hashes else None, chunk)
             block = self.blocks[req.block_ids[i]]
             block.hash, block.token_ids = h, chunk

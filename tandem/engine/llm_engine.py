@@ -10,10 +10,10 @@ import time
 from tandem.attention.backend import select_target_backends
 from tandem.config import ConfigError, EngineConfig
 from tandem.engine.metrics import Counter, EngineStats, Gauge, Metric, Vector
+from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.parallel_sampling import ParentRequest, child_id, child_params
 from tandem.engine.request import Request
 from tandem.engine.scheduler import Scheduler
-from tandem.engine.step_plan import StepOutput, StepPlan
 from tandem.executor.multiproc import MultiprocExecutor
 from tandem.executor.torchrun import TorchrunExecutor, launched_by_torchrun
 from tandem.executor.uniproc import UniprocExecutor
@@ -21,7 +21,6 @@ from tandem.outputs import CompletionOutput, RequestOutput
 from tandem.sampling_params import SamplingParams
 from tandem.spec_decode.draft_mode import resolve_draft_mode
 from tandem.spec_decode.metrics import SpecDecodeStats
-from tandem.spec_decode.ngram import propose_ngram
 from tandem.tokenizer import Tokenizer
 
 logger = logging.getLogger("tandem")
@@ -53,6 +52,7 @@ class LLMEngine:
         self.parents: dict[str, ParentRequest] = {}  # parallel sampling (n > 1), by the parent's id
         self._child_of: dict[str, tuple[ParentRequest, int]] = {}  # child id -> (parent, choice index)
         self.stats = EngineStats()
+        self.outputs = OutputProcessor(self.tokenizer, self.scheduler, self.stats, config.model_config.max_model_len)
         self._ids = itertools.count()
         self._rng = random.Random(config.model_config.seed)
         self._last_log, self._last_log_tokens = time.monotonic(), 0
@@ -113,84 +113,19 @@ class LLMEngine:
         if not plan.rows:
             return []
         output = self.executor.execute(plan)
-        self._record_prompt_logprobs(plan, output)
-        self.spec_stats.confidence_sum += output.draft_confidence[0]
-        self.spec_stats.num_confidences += output.draft_confidence[1]
+        self.outputs.record_prompt_logprobs(plan, output, self.requests)
+        self.spec_stats.add_draft_stats(output.draft_stats)
         finished = []
         for req, row, k in self.scheduler.update(plan, output):
             emitted = output.sampled_token_ids[k]
             self.spec_stats.observe(row.num_draft_tokens, len(emitted) - 1)
-            logprobs = output.logprobs[k] or [None] * len(emitted)
-            for token, token_logprobs in zip(emitted, logprobs, strict=True):
-                self._append_token(req, token, token_logprobs)
-                if req.finished:
-                    break  # tokens after a stop are dropped
+            self.outputs.append(req, emitted, output.logprobs[k])
             if req.finished:
                 del self.requests[req.request_id]
-                done = self._gather(self._output(req))
+                done = self._gather(self.outputs.make_output(req))
                 if done is not None:
                     finished.append(done)
-            elif self.spec.method == "ngram":
-                req.spec_token_ids = propose_ngram(req.all_token_ids, self.spec.max_num_speculative_tokens,
-                                                   self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
         return finished
-
-    def _record_prompt_logprobs(self, plan: StepPlan, output: StepOutput) -> None:
-        """Entry j of a row is the logprob of prompt token num_computed_tokens + j + 1; a position already
-        recorded (a request recomputed after preemption) is kept, a position past the prompt is dropped."""
-        if not output.prompt_logprobs:
-            return
-        for row in plan.rows:
-            entries = output.prompt_logprobs.get(row.request_id)
-            req = self.requests.get(row.request_id)
-            if entries is None or req is None or req.prompt_logprobs is None:
-                continue
-            for j, entry in enumerate(entries):
-                target = row.num_computed_tokens + j + 1
-                if target == len(req.prompt_logprobs) and target < len(req.prompt_token_ids):
-                    req.prompt_logprobs.append(_trim(entry, req.prompt_token_ids[target],
-                                                     req.sampling_params.prompt_logprobs or 0))
-
-    def _append_token(self, req: Request, token: int, logprobs: dict[int, float] | None) -> None:
-        sp = req.sampling_params
-        req.output_token_ids.append(token)
-        self.stats.num_generation_tokens += 1
-        if logprobs is not None:
-            req.logprobs = (req.logprobs or []) + [_trim(logprobs, token, sp.logprobs or 0)]
-        num_out = len(req.output_token_ids)
-        reason, stop_reason = None, None
-        if num_out >= sp.min_tokens:
-            if not sp.ignore_eos and token in self.tokenizer.eos_token_ids:
-                reason = "stop"
-            elif token in sp.stop_token_ids:
-                reason, stop_reason = "stop", token
-        if reason is None and isinstance(sp.stop, list) and sp.stop and num_out >= sp.min_tokens:
-            reason, stop_reason = self._check_stop_strings(req)
-        if reason is None and ((sp.max_tokens is not None and num_out >= sp.max_tokens)
-                               or req.num_tokens >= self.config.model_config.max_model_len):
-            reason = "length"
-        if reason is not None:
-            self.scheduler.finish(req, reason, stop_reason)
-            self.stats.num_requests_finished += 1
-
-    def _check_stop_strings(self, req: Request) -> tuple[str | None, str | None]:
-        sp = req.sampling_params
-        text = self.tokenizer.decode(req.output_token_ids, sp.skip_special_tokens)
-        for stop in sp.stop or []:
-            at = text.find(stop)
-            if at >= 0:
-                req.output_text = text[: at + len(stop)] if sp.include_stop_str_in_output else text[:at]
-                return "stop", stop
-        return None, None
-
-    def _output(self, req: Request) -> RequestOutput:
-        sp = req.sampling_params
-        text = req.output_text if req.stop_reason in (sp.stop or []) else \
-            self.tokenizer.decode(req.output_token_ids, sp.skip_special_tokens)
-        completion = CompletionOutput(0, text, list(req.output_token_ids), req.finish_reason, req.stop_reason,
-                                      req.logprobs)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished=True,
-                             num_cached_tokens=max(req.num_cached_tokens, 0), prompt_logprobs=req.prompt_logprobs)
 
     def _gather(self, output: RequestOutput) -> RequestOutput | None:
         """A finished request's output, or for a child of a parallel-sampling request the parent's gathered
@@ -213,6 +148,7 @@ class LLMEngine:
             req = self.requests.pop(rid, None)
             if req is not None:
                 self.scheduler.finish(req, "abort")
+                self.outputs.forget(rid)
 
     def _maybe_log_stats(self) -> None:
         now = time.monotonic()
@@ -255,7 +191,7 @@ class LLMEngine:
             Gauge("tandem:spec_decode_acceptance_rate", st.acceptance_rate),
             Gauge("tandem:spec_decode_mean_acceptance_length", st.mean_acceptance_length),
             *([Gauge("tandem:spec_decode_dspark_mean_confidence", st.mean_confidence)]
-              if self.spec.method == "dspark" else []),
+              if "confidence_sum" in st.draft_stats else []),
         ]
 
     def shutdown(self) -> None:
@@ -269,7 +205,3 @@ def _make_executor(config: EngineConfig) -> UniprocExecutor | MultiprocExecutor 
         return MultiprocExecutor(config)
     return UniprocExecutor(config)
 
-
-def _trim(logprobs: dict[int, float], token: int, num: int) -> dict[int, float]:
-    top = sorted(logprobs.items(), key=lambda kv: -kv[1])[:num]
-    return dict(top) | {token: logprobs[token]}

@@ -45,6 +45,18 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without copying the rest: a decode step costs O(its tokens)."""
+        num_prompt = len(self.prompt_token_ids)
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt:end - num_prompt]
+        head = self.prompt_token_ids[start:end]
+        return head + self.output_token_ids[:max(0, end - num_prompt)] if end > num_prompt else head
+
+    def token_at(self, index: int) -> int:
+        num_prompt = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < num_prompt else self.output_token_ids[index - num_prompt]
+
     @property
     def finished(self) -> bool:
         return self.status == RequestStatus.FINISHED

@@ -21,15 +21,14 @@ class Scheduler:
                  num_blocks: int, spec_config: SpeculativeConfig | None = None):
         self.config = scheduler_config
         self.spec = spec_config or SpeculativeConfig()
-        # Model drafters write their own KV at the next step's draft positions while proposing, so a
-        # sampling row reserves that many slots ahead.
-        self.lookahead = self.spec.max_num_speculative_tokens if self.spec.method in ("mtp", "dspark") else 0
+        self.lookahead = self.spec.num_lookahead_slots
         self.max_model_len = model_config.max_model_len
         self.block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
-                                          drop_last_hit_block=self.spec.method == "mtp")
+                                          drop_last_hit_block=self.spec.drops_last_prefix_hit_block)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._finished_ids: list[str] = []  # since the last plan
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -75,12 +74,13 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            rows.append(self._row(req, n, []))
+            rows.append(self._row(req, n, [], admitted=True))
             self.block_manager.cache_full_blocks(req, hit + n)  # later admissions of this step may hit them
             scheduled.append(req)
             budget -= n
         self._scheduled = scheduled
-        return StepPlan(rows=rows, num_spec_tokens=k if self.spec.method in ("mtp", "dspark") else 0)
+        finished, self._finished_ids = self._finished_ids, []
+        return StepPlan(rows=rows, num_spec_tokens=k, finished_request_ids=finished)
 
     def _drafts(self, req: Request, k: int, budget: int) -> list[int]:
         """The drafts a decode row verifies: at most K, the budget, and what max_tokens/max_model_len allow."""
@@ -113,18 +113,19 @@ class Scheduler:
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
-    def _row(self, req: Request, n: int, drafts: list[int]) -> ScheduledRow:
+    def _row(self, req: Request, n: int, drafts: list[int], admitted: bool = False) -> ScheduledRow:
         start = req.num_computed_tokens
         reaches_end = start + n == req.num_tokens
         sp = req.sampling_params
         sampling = RowSampling(sp.temperature, sp.top_k, sp.top_p, sp.min_p, req.seed,
                                sp.logprobs) if reaches_end else None
-        tokens = req.all_token_ids
         prompt_logprobs = sp.prompt_logprobs if start < len(req.prompt_token_ids) - 1 else None
-        return ScheduledRow(req.request_id, tokens[start:start + n] + drafts, start, list(req.block_ids),
+        prefix = req.token_slice(0, start) if admitted and self.spec.keeps_token_history else None
+        next_token = None if reaches_end else req.token_at(start + n)
+        return ScheduledRow(req.request_id, req.token_slice(start, start + n) + drafts, start, list(req.block_ids),
                             is_prefill=start < req.num_tokens - 1, sampling=sampling,
-                            num_draft_tokens=len(drafts), next_token_id=None if reaches_end else tokens[start + n],
-                            prompt_logprobs=prompt_logprobs)
+                            num_draft_tokens=len(drafts), next_token_id=next_token,
+                            prompt_logprobs=prompt_logprobs, prefix_token_ids=prefix)
 
     def update(self, plan: StepPlan, output: StepOutput) -> list[tuple[Request, ScheduledRow, int]]:
         """Advance computed counts, rolling back rejected drafts (their KV slots are simply overwritten
@@ -143,6 +144,7 @@ class Scheduler:
         return sampled
 
     def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        self._finished_ids.append(req.request_id)
         req.status = RequestStatus.FINISHED
         req.finish_reason, req.stop_reason = reason, stop_reason
         if req in self.running:

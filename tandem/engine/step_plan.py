@@ -35,12 +35,17 @@ class ScheduledRow:
     next_token_id: int | None = None
     # a prompt chunk of a request that asked for prompt logprobs: top-n at each position whose next token is known
     prompt_logprobs: int | None = None
+    # on admission, for proposers that keep a token history (n-gram): the tokens before num_computed_tokens
+    # (a prefix-cache hit), sent once
+    prefix_token_ids: list[int] | None = None
 
 
 @dataclass(frozen=True)
 class StepPlan:
     rows: list[ScheduledRow] = field(default_factory=list)
     num_spec_tokens: int = 0  # drafts to propose for the next step (0: none)
+    # requests finished or aborted since the previous plan: ranks drop any per-request state they keep
+    finished_request_ids: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -55,7 +60,7 @@ class StepOutput:
     sampled_token_ids: list[list[int]]
     logprobs: list[list[dict[int, float]] | None]
     draft_token_ids: list[list[int]] = field(default_factory=list)
-    # DSpark: the confidence head's scores of this step's drafts, summed, and how many there were
-    draft_confidence: tuple[float, int] = (0.0, 0)
+    # the drafter's own counters for this step by name (DSpark: confidence_sum, num_confidences), summed by the engine
+    draft_stats: dict[str, float] = field(default_factory=dict)
     # request id -> logprobs of tokens row.num_computed_tokens + 1, + 2, ... (prompt_logprobs rows only)
     prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)

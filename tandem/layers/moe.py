@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.compilation import opaque_ops
 from tandem.distributed.groups import SINGLE, Group
 from tandem.layers.activation import silu_and_mul
 from tandem.layers.linear import default_weight_loader, new_param, shard_tensor
@@ -130,6 +131,7 @@ class FusedMoE(nn.Module):
         local = range(self.expert_start, self.expert_start + self.num_local_experts)
         self.w13_weight.expected_shards = {(e, kind) for e in local for kind in ("gate", "up")}  # type: ignore[attr-defined]
         self.w2_weight.expected_shards = {(e, "down") for e in local}  # type: ignore[attr-defined]
+        self.layer_name = opaque_ops.register_layer(self)
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]) -> None:
         expert, kind = shard_id
@@ -147,6 +149,11 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         # x: [T, H]; topk_weights: [T, K] float32; topk_ids: [T, K] global expert ids -> [T, H]
+        if torch.compiler.is_compiling():  # data-dependent expert loop and EP collectives: a split point
+            return torch.ops.tandem.moe_experts(x, topk_weights, topk_ids, self.layer_name)
+        return self.forward_eager(x, topk_weights, topk_ids)
+
+    def forward_eager(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if self.ep.size == 1:
             out = self._experts(x, topk_weights, topk_ids)
             return self.tp.all_reduce(out) if self.reduce_results else out

@@ -57,6 +57,14 @@ class MTPLayer(nn.Module):
         self.mtp_block = block_cls(config, groups, moe=True)
         self.shared_head = SharedHead(hf.vocab_size, hf.hidden_size, hf.rms_norm_eps, groups.tp)
 
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                target_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # The embedding is zeroed at position 0, as vLLM feeds the released DeepSeek/GLM MTP weights.
+        embeds = self.embed_tokens(input_ids).masked_fill((positions == 0).unsqueeze(-1), 0)  # [T, H]
+        h = self.eh_proj(torch.cat((self.enorm(embeds), self.hnorm(target_hidden)), dim=-1))  # [T, H]
+        h = self.mtp_block(positions, h)
+        return self.shared_head.norm(h), h
+
 
 class DeepSeekMTP(nn.Module):
     """`num_layers` MTP layers; draft step k runs layer k % num_layers. Each layer's attention is its own
@@ -71,12 +79,7 @@ class DeepSeekMTP(nn.Module):
         """input_ids, positions: [T]; target_hidden: [T, H] (the target's final-normed hidden state, or
         the previous step's feedback) -> (hidden for logits [T, H] after shared_head.norm,
         feedback hidden [T, H] before it)."""
-        layer = self.layers[spec_step_idx % len(self.layers)]
-        # The embedding is zeroed at position 0, as vLLM feeds the released DeepSeek/GLM MTP weights.
-        embeds = layer.embed_tokens(input_ids).masked_fill((positions == 0).unsqueeze(-1), 0)  # [T, H]
-        h = layer.eh_proj(torch.cat((layer.enorm(embeds), layer.hnorm(target_hidden)), dim=-1))  # [T, H]
-        h = layer.mtp_block(positions, h)
-        return layer.shared_head.norm(h), h
+        return self.layers[spec_step_idx % len(self.layers)](input_ids, positions, target_hidden)
 
     def compute_logits(self, hidden: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
         # hidden: [num_rows, H] after shared_head.norm -> float32 logits [num_rows, vocab]

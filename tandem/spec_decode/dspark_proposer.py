@@ -19,9 +19,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from tandem.engine.step_plan import StepPlan
 from tandem.models.dspark import ContextPrefix, DSparkDrafter
 from tandem.spec_decode.draft_sampling import pack_drafts, sample_draft
+from tandem.spec_decode.proposer import Proposal, TargetStep
 from tandem.worker.input_batch import InputBatch
 
 
@@ -33,7 +33,6 @@ class DSparkProposer:
         for i in set(self.layer_ids):
             target.model.layers[i].register_forward_hook(self._keeper(i))
         self.last_confidence = torch.empty(0)  # [S, K] confidence of each draft of the last proposal
-        self._confidence_sum, self._num_confidences = 0.0, 0
 
     def _keeper(self, layer_id: int) -> Callable[[nn.Module, object, torch.Tensor], None]:
         def keep(_module: nn.Module, _args: object, output: torch.Tensor) -> None:
@@ -57,9 +56,20 @@ class DSparkProposer:
         for attn in self.drafter.attention_layers():
             attn.kv_cache = torch.zeros(attn.kv_cache_shape(num_blocks, block_size), dtype=dtype, device=device)
 
-    @property
-    def mean_confidence(self) -> float:
-        return self._confidence_sum / self._num_confidences if self._num_confidences else 0.0
+    def free(self, request_ids: list[str]) -> None:
+        pass
+
+    @torch.inference_mode()
+    def observe(self, step: TargetStep) -> None:
+        """DSpark's context K/V covers every target token, so it is written on every step, sampling or not."""
+        aux = step.pcp.maybe_restore(self.take_aux_hidden())  # [T_global, n_layers * hidden]
+        batch = step.batch
+        if batch.num_padding:
+            aux = aux.masked_fill(batch.is_padding[:, None], 0)
+        self.write_context(batch, aux)
+
+    def warmup(self, step: TargetStep, k: int) -> None:
+        self.write_context(step.batch, torch.zeros_like(self.take_aux_hidden()))
 
     @torch.inference_mode()
     def write_context(self, batch: InputBatch, aux_hidden: torch.Tensor) -> None:
@@ -67,10 +77,12 @@ class DSparkProposer:
         self.drafter.write_context(aux_hidden, batch.positions, batch.slot_mapping)
 
     @torch.inference_mode()
-    def propose(self, plan: StepPlan, batch: InputBatch, hidden: torch.Tensor | None, emitted: list[list[int]],
-                k: int) -> tuple[list[list[int]], list[torch.Tensor] | None]:
-        """-> (K drafts per sampling row, and for probabilistic drafting each row's draft distributions [K, V]).
-        `hidden` (the target's final states) is unused: DSpark reads the layer outputs given to write_context."""
+    def propose(self, step: TargetStep, emitted: list[list[int]], k: int) -> Proposal:
+        """K drafts per sampling row (and for probabilistic drafting each row's draft distributions [K, V]) from
+        the layer outputs written by observe(); the target's final states are not read."""
+        batch = step.batch
+        if k == 0 or not emitted:
+            return Proposal()
         b = self.drafter.config.block_size
         last_pos = batch.positions[last_valid_indices(batch, emitted)]  # [S] P of each row
         anchors = torch.tensor([e[-1] for e in emitted], device=last_pos.device)  # [S] token at P + 1
@@ -81,19 +93,16 @@ class DSparkProposer:
         h = self.drafter(self.target.model.embed_tokens(block_ids.flatten()), positions.flatten(), prefix)
         h = h.view(len(emitted), b, -1)[:, :k]  # [S, K, hidden]: only the slots that become drafts
         logits = self.target.compute_logits(h.flatten(0, 1)).view(len(emitted), k, -1)  # [S, K, V] float32
-        self._record_confidence(self.drafter.confidence(h.flatten(0, 1)).view(len(emitted), k))
+        self.last_confidence = self.drafter.confidence(h.flatten(0, 1)).view(len(emitted), k)  # [S, K]
         drafts, probs, prev = [], [], anchors
         for j in range(k):  # left to right: the Markov head conditions slot j on the token drafted at j - 1
             prev, q = sample_draft(logits[:, j] + self.drafter.markov_head(prev), batch.sampling, last_pos + 2 + j,
                                    self.probabilistic)
             drafts.append(prev)
             probs.append(q)
-        return pack_drafts(drafts, probs, self.probabilistic)
-
-    def _record_confidence(self, confidence: torch.Tensor) -> None:
-        self.last_confidence = confidence  # [S, K]
-        self._confidence_sum += float(confidence.sum())
-        self._num_confidences += confidence.numel()
+        token_ids, q_rows = pack_drafts(drafts, probs, self.probabilistic)
+        stats = {"confidence_sum": float(self.last_confidence.sum()), "num_confidences": self.last_confidence.numel()}
+        return Proposal(token_ids, q_rows, stats)
 
 
 def last_valid_indices(batch: InputBatch, emitted: list[list[int]]) -> list[int]:
@@ -102,6 +111,6 @@ def last_valid_indices(batch: InputBatch, emitted: list[list[int]]) -> list[int]
     Example: decode row [t9 d1 d2] at token indices 4..6 with 2 drafts, emitted [d1, x] (d1 accepted):
     6 - 2 + (2 - 1) = 5, the index of d1; a prompt chunk (no drafts, emitted [x]) gives its last token.
     """
-    qsl = batch.query_start_loc_cpu.tolist()
-    return [qsl[i + 1] - 1 - k + len(e) - 1
+    qsl = batch.query_start_loc_np
+    return [int(qsl[i + 1]) - 1 - k + len(e) - 1
             for i, k, e in zip(batch.sample_rows, batch.num_draft_tokens, emitted, strict=True)]

@@ -15,12 +15,18 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
-    confidence_sum: float = 0.0  # DSpark's confidence head over every proposed draft
-    num_confidences: int = 0
+    # the drafter's own counters by name, summed over steps (DSpark: confidence_sum, num_confidences)
+    draft_stats: dict[str, float] = field(default_factory=dict)
+
+    def add_draft_stats(self, stats: dict[str, float]) -> None:
+        for name, value in stats.items():
+            self.draft_stats[name] = self.draft_stats.get(name, 0.0) + value
 
     @property
     def mean_confidence(self) -> float:
-        return self.confidence_sum / self.num_confidences if self.num_confidences else 0.0
+        """DSpark's confidence head, averaged over every proposed draft."""
+        n = self.draft_stats.get("num_confidences", 0.0)
+        return self.draft_stats.get("confidence_sum", 0.0) / n if n else 0.0
 
     def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
         if num_draft_tokens == 0:

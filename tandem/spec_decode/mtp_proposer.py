@@ -16,8 +16,8 @@ Steps 1..K-1 are global decodes either way.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -27,69 +27,77 @@ from tandem.attention.metadata import PAD_SLOT_ID, AttentionMetadata, build_atte
 from tandem.engine.step_plan import StepPlan
 from tandem.models.mtp import DeepSeekMTP
 from tandem.spec_decode.draft_sampling import pack_drafts, sample_draft
+from tandem.spec_decode.proposer import Proposal, TargetStep
 from tandem.worker.input_batch import InputBatch, global_attention_metadata
-from tandem.worker.pcp_hooks import LocalBatch, PCPHooks
-
-
-@dataclass
-class ShardedStep:
-    """What sharded drafting reuses from the target's step: its local view, hidden states and PCP hooks."""
-
-    local: LocalBatch
-    hidden_local: torch.Tensor  # [T_r, H] the target's rank-local final-normed hidden states
-    pcp: PCPHooks
 
 
 class MTPProposer:
+    """`sharded`: draft step 0 on the rank's PCP segments with the target's metadata (DESIGN §5's PCP-sharded
+    mode); otherwise replicated over the global batch with `backends`, the drafter's own."""
+
     def __init__(self, mtp: DeepSeekMTP, backends: dict[str, type[AttentionBackend]], block_size: int,
-                 max_model_len: int, probabilistic: bool, padded_size: Callable[[int], int] = lambda n: n):
+                 max_model_len: int, probabilistic: bool, sharded: bool,
+                 target_backends: dict[str, type[AttentionBackend]],
+                 padded_size: Callable[[int], int] = lambda n: n):
         self.mtp, self.backends, self.block_size = mtp, backends, block_size
-        self.max_model_len, self.probabilistic = max_model_len, probabilistic
+        self.max_model_len, self.probabilistic, self.sharded = max_model_len, probabilistic, sharded
+        self.target_backends = target_backends
         self.padded_size = padded_size  # PIECEWISE: draft decodes of S rows run at this many tokens
 
+    def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        return 0  # the MTP layers' attention modules are part of the target model, sized with it
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: str) -> None:
+        pass  # allocated with the target's layers
+
+    def free(self, request_ids: list[str]) -> None:
+        pass
+
+    def observe(self, step: TargetStep) -> None:
+        if not self.sharded:
+            step.global_hidden()  # replicated step 0 reads every global token's state: restore it once, now
+
     @torch.inference_mode()
-    def propose(self, plan: StepPlan, batch: InputBatch, hidden: torch.Tensor | None, emitted: list[list[int]],
-                k: int, sharded: ShardedStep | None = None) -> tuple[list[list[int]], list[torch.Tensor] | None]:
-        """hidden: [T, H] the target's final-normed states in global order -> (K drafts per sampling
-        row, and for probabilistic drafting each row's draft distributions [K, V]). With `sharded`, draft
-        step 0 runs on this rank's PCP segments instead of the whole global batch (and `hidden` is unused:
-        the rank-local states come with `sharded`)."""
+    def propose(self, step: TargetStep, emitted: list[list[int]], k: int) -> Proposal:
+        """K drafts per sampling row, and for probabilistic drafting each row's draft distributions [K, V].
+        Step 0 runs on every step, sampling or not, so the MTP layer's own KV covers the whole context."""
+        plan, batch = step.plan, step.batch
         # The draft decodes' key bound comes from THIS step's global batch, before any draft metadata is built
         # (the seed PR's review finding: a bound kept from the previous proposal misses a request that just
         # accepted all K drafts plus its bonus token).
         max_seq_len = draft_max_seq_len(batch, k, self.max_model_len)
         shifted, last_idx = self._shifted_ids(plan, batch, emitted)  # global: a next token may be remote
-        if sharded is None:
-            assert hidden is not None, "replicated MTP drafting needs the target's global hidden states"
+        if self.sharded:
+            h_logits, h_feedback = self._sharded_step0(shifted, step)  # [T_r, H] each
+        else:
             meta = global_attention_metadata(batch, self.block_size)
             with forward_context(meta, self.backends):
-                h_logits, h_feedback = self.mtp(shifted, batch.positions, hidden, 0)  # [T, H] each
-        else:
-            h_logits, h_feedback = self._sharded_step0(shifted, sharded)  # [T_r, H] each
+                h_logits, h_feedback = self.mtp(shifted, batch.positions, step.global_hidden(), 0)  # [T, H] each
         if k == 0 or not last_idx:
-            return [[] for _ in last_idx], None  # step 0 only kept the MTP layer's KV up to date
-        if sharded is None:
+            return Proposal([[] for _ in last_idx])  # step 0 only kept the MTP layer's KV up to date
+        if self.sharded:  # only the S rows that draft cross ranks
+            h_logits = step.pcp.maybe_restore_rows(h_logits, last_idx)
+            feedback = step.pcp.maybe_restore_rows(h_feedback, last_idx)
+        else:
             h_logits, feedback = h_logits[last_idx], h_feedback[last_idx]  # [S, H] each
-        else:  # only the S rows that draft cross ranks
-            h_logits = sharded.pcp.maybe_restore_rows(h_logits, last_idx)
-            feedback = sharded.pcp.maybe_restore_rows(h_feedback, last_idx)
         positions = batch.positions[last_idx]  # [S] position of each row's last valid token
         tokens, probs = sample_draft(self.mtp.compute_logits(h_logits, 0), batch.sampling, positions + 2,
                                      self.probabilistic)
         drafts, draft_probs = [tokens], [probs]
         num_rows = len(last_idx)
-        for step in range(1, k):
-            step_pos = positions + step
-            meta = self._decode_metadata(plan, batch, step_pos, max_seq_len)
+        decode = DraftDecodeMetadata(plan, batch, self.block_size, self.max_model_len, max_seq_len)
+        for i in range(1, k):
+            step_pos = positions + i
             ids, pos, fb = self._pad_decode(drafts[-1], step_pos.clamp(max=self.max_model_len - 1), feedback)
-            with forward_context(meta, self.backends):
-                h_logits, feedback = self.mtp(ids, pos, fb, step)
+            with forward_context(decode.at(step_pos), self.backends):
+                h_logits, feedback = self.mtp(ids, pos, fb, i)
             h_logits, feedback = h_logits[:num_rows], feedback[:num_rows]  # padding samples nothing
-            tokens, probs = sample_draft(self.mtp.compute_logits(h_logits, step), batch.sampling, step_pos + 2,
+            tokens, probs = sample_draft(self.mtp.compute_logits(h_logits, i), batch.sampling, step_pos + 2,
                                          self.probabilistic)
             drafts.append(tokens)
             draft_probs.append(probs)
-        return pack_drafts(drafts, draft_probs, self.probabilistic)
+        token_ids, q = pack_drafts(drafts, draft_probs, self.probabilistic)
+        return Proposal(token_ids, q)
 
     def _pad_decode(self, ids: torch.Tensor, positions: torch.Tensor, feedback: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -101,58 +109,81 @@ class MTPProposer:
         return (torch.cat((ids, ids.new_zeros(num_pad))), torch.cat((positions, positions.new_zeros(num_pad))),
                 torch.cat((feedback, feedback.new_zeros(num_pad, feedback.shape[1]))))
 
-    def warmup(self, batch: InputBatch, meta: AttentionMetadata, hidden: torch.Tensor,
-               backends: dict[str, type[AttentionBackend]], k: int) -> None:
-        """Step 0 and the draft decodes at one capture size, on padding only (see ModelRunner.warmup)."""
-        with forward_context(meta, backends):
+    def warmup(self, step: TargetStep, k: int) -> None:
+        """Step 0 and the draft decodes at one capture size, on padding only (see ModelRunner.warmup), in the
+        selected draft mode: sharded on the target's own metadata and backends, replicated on the drafter's."""
+        batch, hidden = step.batch, step.hidden_local  # padding only: the same rows on every rank
+        meta = step.local.attn_metadata
+        with forward_context(meta, self.target_backends if self.sharded else self.backends):
             _, feedback = self.mtp(batch.input_ids, batch.positions, hidden, 0)
-        for step in range(1, k):
+        for i in range(1, k):
             with forward_context(meta, self.backends):
-                _, feedback = self.mtp(batch.input_ids, batch.positions, torch.zeros_like(feedback), step)
+                _, feedback = self.mtp(batch.input_ids, batch.positions, torch.zeros_like(feedback), i)
 
-    def _sharded_step0(self, shifted: torch.Tensor, step: ShardedStep) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sharded_step0(self, shifted: torch.Tensor, step: TargetStep) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft step 0 on the rank-local segments, reusing the target's local metadata and PCP buffers;
         the caller gathers the sampling rows of the [T_r, H] outputs in global order."""
         local, pcp = step.local, step.pcp
-        ids = shifted if local.token_idx is None else shifted[local.token_idx]  # [T_r]
         with forward_context(local.attn_metadata, self.backends, pcp.gather_kv):
-            return self.mtp(ids, local.positions, step.hidden_local, 0)  # [T_r, H] each
+            return self.mtp(pcp.localize(shifted), local.positions, step.hidden_local, 0)  # [T_r, H] each
 
     def _shifted_ids(self, plan: StepPlan, batch: InputBatch,
                      emitted: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
-        qsl = batch.query_start_loc_cpu.tolist()
+        qsl = batch.query_start_loc_np
         shifted = torch.roll(batch.input_ids, -1)  # [T]; each row's last slot is fixed below
         shifted[batch.num_tokens - batch.num_padding:] = 0  # padding stays id 0
         for i, row in enumerate(plan.rows):
             if row.next_token_id is not None:
-                shifted[qsl[i + 1] - 1] = row.next_token_id
+                shifted[int(qsl[i + 1]) - 1] = row.next_token_id
         last_idx = []
         for s, i in enumerate(batch.sample_rows):
-            idx = qsl[i + 1] - 1 - batch.num_draft_tokens[s] + len(emitted[s]) - 1  # last valid token of row i
+            idx = int(qsl[i + 1]) - 1 - batch.num_draft_tokens[s] + len(emitted[s]) - 1  # last valid token of row i
             shifted[idx] = emitted[s][-1]
             last_idx.append(idx)
         return shifted, last_idx
 
-    def _decode_metadata(self, plan: StepPlan, batch: InputBatch, positions: torch.Tensor,
-                         max_seq_len: int) -> AttentionMetadata:
-        """One-token rows at `positions`; a slot beyond a row's reserved blocks (or max_model_len) writes nothing.
-        `max_seq_len` bounds the keys any row may read; a row beyond it is a bug, never a silent truncation."""
-        table = batch.block_table[batch.sample_rows]  # [S, max_blocks]
-        num_blocks = torch.tensor([len(plan.rows[i].block_ids) for i in batch.sample_rows], device=positions.device)
+
+class DraftDecodeMetadata:
+    """Attention metadata of the K-1 one-token draft decodes of S rows, built once per proposal: the block
+    table rows, their key slots up to the step's bound and the block counts are fixed; each decode only moves
+    the positions, so its metadata is the mask and slots at the new positions (no per-decode group planning).
+
+    A slot beyond a row's reserved blocks (or max_model_len) writes nothing. `max_seq_len` bounds the keys any
+    row may read; a row beyond it is a bug, never a silent truncation."""
+
+    def __init__(self, plan: StepPlan, batch: InputBatch, block_size: int, max_model_len: int, max_seq_len: int):
+        self.block_size, self.max_model_len, self.max_seq_len = block_size, max_model_len, max_seq_len
+        self.table = batch.block_table[batch.sample_rows]  # [S, max_blocks]
+        device = self.table.device
+        self.num_blocks = torch.tensor([len(plan.rows[i].block_ids) for i in batch.sample_rows], device=device)
+        n = len(batch.sample_rows)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32)
+        self.base: AttentionMetadata | None = None
+
+    def at(self, positions: torch.Tensor) -> AttentionMetadata:
+        """positions: [S] of this decode's tokens -> its metadata."""
         block_idx = positions // self.block_size
-        valid = (block_idx < num_blocks) & (positions < self.max_model_len)
+        valid = (block_idx < self.num_blocks) & (positions < self.max_model_len)
         safe_idx = torch.where(valid, block_idx, 0)
-        slots = table.gather(1, safe_idx[:, None]).squeeze(1).long() * self.block_size + positions % self.block_size
+        slots = self.table.gather(1, safe_idx[:, None]).squeeze(1).long() * self.block_size \
+            + positions % self.block_size
         slots = torch.where(valid, slots, PAD_SLOT_ID)
-        n = positions.shape[0]
         writes = slots >= 0
-        seq_lens = (torch.minimum(positions, torch.tensor(self.max_model_len - 1)) + 1).to(torch.int32).cpu()
-        if n and int(seq_lens.max()) > max_seq_len:
-            raise RuntimeError(f"draft attention bound {max_seq_len} does not cover a draft row of "
+        clamped = positions.clamp(max=self.max_model_len - 1)
+        seq_lens = (clamped + 1).to(torch.int32).cpu()
+        if positions.shape[0] and int(seq_lens.max()) > self.max_seq_len:
+            raise RuntimeError(f"draft attention bound {self.max_seq_len} does not cover a draft row of "
                                f"{int(seq_lens.max())} keys")
-        return build_attention_metadata(
-            positions.clamp(max=self.max_model_len - 1), torch.arange(n + 1, dtype=torch.int32), seq_lens, table,
-            self.block_size, writes.nonzero().squeeze(1), slots[writes])
+        write_rows = writes.nonzero().squeeze(1)
+        if self.base is None:
+            self.base = build_attention_metadata(clamped, self.query_start_loc, seq_lens, self.table,
+                                                 self.block_size, write_rows, slots[writes], key_bound=self.max_seq_len)
+            return self.base
+        (group,) = self.base.groups  # one group of one-token rows, keys gathered up to max_seq_len
+        k_pos = torch.arange(group.kv_slots.shape[1], device=clamped.device)
+        mask = (k_pos[None, :] <= clamped[:, None])[:, None, None, :]  # [S, 1, 1, max_seq_len]
+        return dataclasses.replace(self.base, positions=clamped, seq_lens_cpu=seq_lens, write_rows=write_rows,
+                                   write_slots=slots[writes], groups=[dataclasses.replace(group, mask=mask)])
 
 
 def draft_max_seq_len(batch: InputBatch, k: int, max_model_len: int) -> int:

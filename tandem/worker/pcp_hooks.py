@@ -1,8 +1,9 @@
 """The model runner's PCP hooks: partition the global batch into this rank's view, gather prefill K/V
 over the PCP group before the cache write, and restore hidden states to global order.
 
-At PCP size 1 the partition is the identity and the gather/restore are no-ops, so the runner calls
-the same three hooks either way.
+Two implementations of one interface, chosen once by `make_pcp_hooks`: at PCP size 1 (`PCPHooks` itself) the
+partition is the identity and the gather/restore are no-ops, so the runner calls the same hooks either way and
+never asks which layout it runs.
 """
 
 from __future__ import annotations
@@ -30,30 +31,55 @@ from tandem.worker.pcp import (
 class LocalBatch:
     input_ids: torch.Tensor  # [T_r] int64
     positions: torch.Tensor  # [T_r] int64
-    token_idx: torch.Tensor | None  # [T_r] int64 global index of each local token; None at PCP size 1
     attn_metadata: AttentionMetadata
-    part: PCPPartition | None  # None at PCP size 1
 
 
 class PCPHooks:
+    """The interface, and its PCP size 1 implementation: the rank's view is the global batch."""
+
     def __init__(self, pcp: Group, block_size: int):
-        self.pcp = pcp
-        self.block_size = block_size
-        self.part: PCPPartition | None = None
+        self.pcp, self.block_size = pcp, block_size
 
     def maybe_partition(self, batch: InputBatch) -> LocalBatch:
-        if self.pcp.size == 1:
-            self.part = None
-            meta = global_attention_metadata(batch, self.block_size)
-            return LocalBatch(batch.input_ids, batch.positions, None, meta, None)
+        return LocalBatch(batch.input_ids, batch.positions, global_attention_metadata(batch, self.block_size))
+
+    def localize(self, x: torch.Tensor) -> torch.Tensor:
+        """[T_global, ...] -> [T_r, ...] this rank's tokens, in local order."""
+        return x
+
+    def mask_padding(self, hidden: torch.Tensor, batch: InputBatch) -> torch.Tensor:
+        """Zero the graph-padding rows of the target's [T_r, H] output (they ran with the batch here)."""
+        return hidden.masked_fill(batch.is_padding[:, None], 0) if batch.num_padding else hidden
+
+    def gather_kv(self, x: torch.Tensor) -> torch.Tensor:
+        """[T_r, ...] this rank's new K/V -> every rank's, in the layout attn_metadata.write_rows index."""
+        return x
+
+    def maybe_restore(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T_r, H] local hidden states -> [T_global(+padding), H] in global order."""
+        return hidden
+
+    def maybe_restore_rows(self, hidden: torch.Tensor, rows: torch.Tensor | list[int]) -> torch.Tensor:
+        """[T_r, H] local hidden states -> [len(rows), H], the given global rows only."""
+        return hidden[rows]
+
+
+class PartitionedPCPHooks(PCPHooks):
+    """PCP size > 1 (worker/pcp.py's index math plus the collectives over the PCP group)."""
+
+    def __init__(self, pcp: Group, block_size: int):
+        super().__init__(pcp, block_size)
+        self.part: PCPPartition | None = None  # this step's partition
+        self.token_idx = torch.empty(0, dtype=torch.int64)  # [T_r] global index of each local token
+
+    def maybe_partition(self, batch: InputBatch) -> LocalBatch:
         real_slots = batch.slot_mapping[: batch.num_tokens - batch.num_padding]  # padding never writes
         writes = real_slots >= 0
         # graph padding belongs to no rank's segments; restore() gives it zero rows
-        part = partition(batch.query_start_loc_cpu.numpy(), batch.is_prefill_cpu.numpy(), self.pcp.size,
-                         batch.num_padding)
+        part = partition(batch.query_start_loc_np, batch.is_prefill_cpu.numpy(), self.pcp.size, batch.num_padding)
         view = local_metadata(part, self.pcp.rank, batch.positions.cpu().numpy(), batch.block_table.cpu().numpy())
         device = batch.input_ids.device
-        token_idx = torch.from_numpy(view.token_idx).to(device)
+        self.token_idx = torch.from_numpy(view.token_idx).to(device)
         # K/V are written from the gathered [P * max_local] tensor: each global token once, from the copy
         # that kv_write_idx names (prefill tokens from their owner rank, decode tokens from rank 0).
         write_rows = torch.from_numpy(part.kv_write_idx).to(device)[writes]
@@ -62,27 +88,31 @@ class PCPHooks:
             torch.from_numpy(view.seq_lens), torch.from_numpy(view.block_table).to(device), self.block_size,
             write_rows, real_slots[writes])
         self.part = part
-        return LocalBatch(batch.input_ids[token_idx], meta.positions, token_idx, meta, part)
+        return LocalBatch(batch.input_ids[self.token_idx], meta.positions, meta)
+
+    def localize(self, x: torch.Tensor) -> torch.Tensor:
+        return x[self.token_idx]
+
+    def mask_padding(self, hidden: torch.Tensor, batch: InputBatch) -> torch.Tensor:
+        return hidden  # padding is on no rank's segments
 
     def gather_kv(self, x: torch.Tensor) -> torch.Tensor:
-        """[T_r, ...] this rank's new K/V -> [P * max_local, ...] every rank's (identity at PCP size 1)."""
-        if self.part is None:
-            return x
+        assert self.part is not None
         return self.pcp.all_gather(pad_local(x, self.part))
 
     def maybe_restore(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[T_r, H] local hidden states -> [T_global, H] in global order."""
-        if self.part is None:
-            return hidden
+        assert self.part is not None
         return restore(self.pcp.all_gather(pad_local(hidden, self.part)), self.part)
 
     def maybe_restore_rows(self, hidden: torch.Tensor, rows: torch.Tensor | list[int]) -> torch.Tensor:
-        """[T_r, H] local hidden states -> [len(rows), H], the given global rows only: the all-gather moves
-        P * max-rows-per-rank rows instead of P * T_r (logits need one row per sampled token, not the prompt)."""
-        if self.part is None:
-            return hidden[rows]
+        # the all-gather moves P * max-rows-per-rank rows instead of P * T_r (logits need one row per sampled
+        # token, not the prompt)
+        assert self.part is not None
         plan = row_gather(self.part, torch.as_tensor(rows).cpu().numpy())
         if plan.max_rows == 0:  # no rows, or padding rows only: every rank knows it, so none all-gathers
             return hidden.new_zeros((len(plan.out_idx), *hidden.shape[1:]))
         return restore_rows(self.pcp.all_gather(select_rows(hidden, plan, self.pcp.rank)), plan)
 
+
+def make_pcp_hooks(pcp: Group, block_size: int) -> PCPHooks:
+    return PartitionedPCPHooks(pcp, block_size) if pcp.size > 1 else PCPHooks(pcp, block_size)

@@ -1,0 +1,35 @@
+"""The one place a drafter is chosen: the resolved draft mode and the speculative config -> a Proposer."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from tandem.attention.backend import AttentionBackend
+from tandem.config import EngineConfig
+from tandem.models.dspark import load_dspark_drafter
+from tandem.models.registry import attention_kind
+from tandem.spec_decode.draft_mode import DraftMode
+from tandem.spec_decode.dspark_proposer import DSparkProposer
+from tandem.spec_decode.mtp_proposer import MTPProposer
+from tandem.spec_decode.ngram_proposer import NgramProposer
+from tandem.spec_decode.proposer import NoProposer, Proposer
+
+
+def build_proposer(config: EngineConfig, target: nn.Module, draft_mode: DraftMode,
+                   target_backends: dict[str, type[AttentionBackend]]) -> Proposer:
+    spec, model = config.speculative_config, config.model_config
+    probabilistic = spec.draft_sample_method == "probabilistic"
+    block_size = config.cache_config.block_size
+    if spec.method == "mtp":
+        assert draft_mode.backend is not None
+        backends = {attention_kind(model.architecture): draft_mode.backend}
+        return MTPProposer(target.mtp, backends, block_size, model.max_model_len, probabilistic,
+                           sharded=draft_mode.mode == "sharded", target_backends=target_backends,
+                           padded_size=config.compilation_config.padded_size)
+    if spec.method == "dspark":  # always replicated over the global batch (DESIGN §5)
+        assert spec.model is not None
+        drafter = load_dspark_drafter(spec.model, model, spec.max_num_speculative_tokens, config.device)
+        return DSparkProposer(drafter, target, block_size, probabilistic)
+    if spec.method == "ngram":
+        return NgramProposer(spec)
+    return NoProposer()

@@ -1,0 +1,54 @@
+"""n-gram (prompt lookup) as a proposer: each rank keeps every running request's token history from the rows
+it runs, so drafts are found where the other drafters are, in the model runner, with no token lists sent per step.
+
+History of a request = its tokens at positions [0, n). A row of the step puts its non-draft tokens at positions
+num_computed_tokens.. (rejected drafts and a preempted request's old tokens are cut off first); a sampling row
+then appends its emitted tokens. A request admitted with a prefix-cache hit sends the tokens before its first
+row once (`ScheduledRow.prefix_token_ids`). Example: history [5 6 7 8], decode row at num_computed_tokens 3 with
+tokens [8, d1, d2] and emitted [d1, x] -> cut to [5 6 7], + [8] + [d1, x] = [5 6 7 8 d1 x]. Per step the work is
+O(tokens of the step) plus the lookup itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.config import SpeculativeConfig
+from tandem.spec_decode import ngram
+from tandem.spec_decode.proposer import Proposal, TargetStep
+
+
+class NgramProposer:
+    def __init__(self, spec: SpeculativeConfig):
+        self.min_n, self.max_n = spec.prompt_lookup_min, spec.prompt_lookup_max
+        self.history: dict[str, list[int]] = {}  # request id -> its tokens so far
+
+    def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        return 0
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: str) -> None:
+        pass
+
+    def warmup(self, step: TargetStep, k: int) -> None:
+        pass
+
+    def observe(self, step: TargetStep) -> None:
+        for row in step.plan.rows:
+            tokens = self.history.setdefault(row.request_id, [])
+            if row.prefix_token_ids is not None:
+                tokens[:] = row.prefix_token_ids
+            del tokens[row.num_computed_tokens:]
+            tokens.extend(row.token_ids[:len(row.token_ids) - row.num_draft_tokens])
+
+    def propose(self, step: TargetStep, emitted: list[list[int]], k: int) -> Proposal:
+        drafts = []
+        for i, new in zip(step.batch.sample_rows, emitted, strict=True):
+            tokens = self.history[step.plan.rows[i].request_id]
+            tokens.extend(new)
+            if k:  # looked up through the module, so a test can swap in a drafter of known drafts
+                drafts.append(ngram.propose_ngram(tokens, k, self.min_n, self.max_n))
+        return Proposal(drafts)
+
+    def free(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.history.pop(rid, None)

@@ -86,7 +86,7 @@ def test_acceptance_aligns_across_pcp_draft_modes_and_padding():
     padded (PIECEWISE). On CPU in float32 every layout computes the same tokens, so the deltas are in fact 0."""
     from tandem.eval.gsm8k import build_prompts, load_eval_data
 
-    questions, shots = load_eval_data("synthetic", None, 8, 2, seed=42)
+    questions, shots, _ = load_eval_data("synthetic", None, 8, 2, seed=42)
     prompts = build_prompts(questions, shots)
     mtp = {"method": "mtp", "num_speculative_tokens": 3}
     layouts = {

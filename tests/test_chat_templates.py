@@ -156,3 +156,10 @@ def test_a_template_escaping_the_sandbox_does_not_run(hf5_folder, tmp_path):
         assert status == 400 and "SecurityError" in got["error"]["message"], got
         assert not marker.exists(), "the template ran os.popen"
         assert post(url + "/v1/completions", {"prompt": "Hello", "max_tokens": 2})[0] == 200, "still serving"
+
+
+def test_serve_refuses_a_chat_template_that_is_neither_a_file_nor_a_template(hf5_folder, capsys):
+    from tandem.entrypoints.cli import main
+
+    assert main(["serve", str(hf5_folder), "--chat-template", "missing.jinja"]) == 2
+    assert "chat_template='missing.jinja' is not allowed" in capsys.readouterr().err

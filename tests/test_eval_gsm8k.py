@@ -97,7 +97,7 @@ def test_url_mode_scores_completions_and_reads_acceptance_from_metrics():
     server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeServer)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        questions, shots = ev.load_eval_data("synthetic", None, 12, 2, seed=42)
+        questions, shots, _ = ev.load_eval_data("synthetic", None, 12, 2, seed=42)
         url = f"http://127.0.0.1:{server.server_address[1]}"
         r = ev.run_against_url("server", url, None, questions, shots, 64, 0.0, 42, concurrency=4)
     finally:

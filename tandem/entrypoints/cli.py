@@ -42,6 +42,8 @@ def _eval_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--data", default="synthetic",
                    help="GSM8K-layout .jsonl file, or 'synthetic' (the project's own split; the default)")
     g.add_argument("--shots-data", default=None, help="few-shot pool .jsonl (default: ../shared GSM8K train)")
+    g.add_argument("--allow-synthetic-shots", action="store_true",
+                   help="let a real --data file take tandem's synthetic few-shot examples when there is no pool")
     g.add_argument("--num-questions", type=int, default=None, help="evaluate the first N questions")
     g.add_argument("--num-shots", type=int, default=5)
     g.add_argument("--concurrency", type=int, default=32, help="requests in flight (max_num_seqs in-process)")
@@ -61,6 +63,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: folder name)")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file or string, instead of the model folder's own")
     d = ServerLimits()
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}, else no key)")
@@ -164,23 +168,27 @@ def _bench_serve(args: argparse.Namespace) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     from tandem.entrypoints.openai.api_server import run_server
+    from tandem.entrypoints.openai.chat_template import resolve_chat_template
+
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port={args.port} is not allowed: 0 to 65535")
     limits = ServerLimits.with_env_key(args.api_key, max_n=args.max_n,
                                        max_prompts_per_request=args.max_prompts_per_request,
                                        max_request_bytes=args.max_request_bytes)
-    run_server(EngineArgs.from_cli_args(args), args.host, args.port, args.served_model_name, limits)
+    chat_template = resolve_chat_template(args.chat_template)
+    run_server(EngineArgs.from_cli_args(args), args.host, args.port, args.served_model_name, limits, chat_template)
     return 0
 
 
 def run_eval(args: argparse.Namespace) -> int:
     from tandem.eval import gsm8k as ev
 
-    questions, shots = ev.load_eval_data(args.data, args.shots_data, args.num_questions, args.num_shots, args.seed)
+    questions, shots, pool = ev.load_eval_data(args.data, args.shots_data, args.num_questions, args.num_shots,
+                                               args.seed, args.allow_synthetic_shots)
     engine = vars(EngineArgs.from_cli_args(args))
     engine["max_num_seqs"] = args.concurrency
     print(f"GSM8K: {len(questions)} questions from {args.data}, {args.num_shots}-shot, temperature "
-          f"{args.temperature}, seed {args.seed}", file=sys.stderr)
+          f"{args.temperature}, seed {args.seed}; few-shot pool: {pool}", file=sys.stderr)
     if args.matrix:
         results = ev.run_matrix(engine, questions, shots, args.max_tokens, args.temperature, args.seed,
                                 args.num_speculative_tokens)
@@ -191,6 +199,7 @@ def run_eval(args: argparse.Namespace) -> int:
         name = "speculative" if args.speculative_config else "no speculation"
         results = [ev.run_in_process(name, engine, questions, shots, args.max_tokens, args.temperature, args.seed)]
     print(ev.format_table(results))
+    print(f"few-shot examples: {args.num_shots} from {pool}")
     if args.output_json:
         Path(args.output_json).write_text(ev.results_json(results) + "\n")
     return 0

@@ -50,24 +50,39 @@ class EvalResult:
         return self.correct / self.total if self.total else 0.0
 
 
-def load_eval_data(data: str, shots_data: str | None, num_questions: int | None, num_shots: int, seed: int
-                   ) -> tuple[list[Problem], list[Problem]]:
-    """(questions, few-shot examples). `data` is a GSM8K-layout .jsonl file or "synthetic" (the project's own
-    split, so the command runs without ../shared)."""
+SYNTHETIC_POOL = "synthetic (tandem's own 'shots' split, 64 examples)"
+
+
+def few_shot_pool(data: str, shots_data: str | None, allow_synthetic_shots: bool = False
+                  ) -> tuple[str, list[Problem]]:
+    """(the pool's name, its examples): `shots_data`, else synthetic for synthetic questions, else GSM8K train
+    from ../shared. Real questions never silently get synthetic shots: that needs `allow_synthetic_shots`."""
+    if shots_data:
+        return shots_data, load_jsonl(shots_data)
     if data == SYNTHETIC:
-        questions = synthetic_split("test", num_questions or 200)
-        pool = synthetic_split("shots", 64)
-    else:
-        questions = load_jsonl(data)
-        default_pool = SHARED_GSM8K / "train.jsonl"
-        pool = load_jsonl(shots_data) if shots_data else (load_jsonl(default_pool) if default_pool.is_file()
-                                                           else synthetic_split("shots", 64))
+        return SYNTHETIC_POOL, synthetic_split("shots", 64)
+    default_pool = SHARED_GSM8K / "train.jsonl"
+    if default_pool.is_file():
+        return str(default_pool), load_jsonl(default_pool)
+    if not allow_synthetic_shots:
+        raise ValueError(f"--data={data!r} holds real questions but the few-shot pool {default_pool} is missing: "
+                         "give --shots-data FILE (GSM8K train .jsonl), or --allow-synthetic-shots to pair these "
+                         "questions with tandem's synthetic examples")
+    return SYNTHETIC_POOL + ", asked for by --allow-synthetic-shots", synthetic_split("shots", 64)
+
+
+def load_eval_data(data: str, shots_data: str | None, num_questions: int | None, num_shots: int, seed: int,
+                   allow_synthetic_shots: bool = False) -> tuple[list[Problem], list[Problem], str]:
+    """(questions, few-shot examples, the few-shot pool's name). `data` is a GSM8K-layout .jsonl file or
+    "synthetic" (the project's own split, so the command runs without ../shared)."""
+    questions = synthetic_split("test", num_questions or 200) if data == SYNTHETIC else load_jsonl(data)
+    pool_name, pool = few_shot_pool(data, shots_data, allow_synthetic_shots)
     if num_questions is not None:
         questions = questions[:num_questions]
     if num_shots > len(pool):
-        raise ValueError(f"--num-shots={num_shots}: the few-shot pool has only {len(pool)} examples")
+        raise ValueError(f"--num-shots={num_shots}: the few-shot pool {pool_name} has only {len(pool)} examples")
     shots = random.Random(seed).sample(pool, num_shots)
-    return questions, shots
+    return questions, shots, pool_name
 
 
 def build_prompts(questions: list[Problem], shots: list[Problem]) -> list[str]:

@@ -219,7 +219,8 @@ def _choice(engine: AsyncEngine, params: SamplingParams, chat: bool, index: int,
     else:
         choice["text"] = echoed + out.text
     if params.logprobs is not None or not chat:
-        if out.logprobs is None:
+        # the engine may carry logprobs for a request that did not ask (a batch where another did): not shown
+        if out.logprobs is None or params.logprobs is None:
             choice["logprobs"] = None
         else:
             ids, lps = list(out.token_ids), list(out.logprobs)

@@ -28,8 +28,9 @@ def test_offline_vs_hf_same_greedy_tokens_and_a_ratio(tiny_checkpoints, tmp_path
     assert names == ["HF generate (batch 4)", "tandem"], names
     for r in result["results"]:
         assert r["output_tokens"] == 4 * 8 and r["output_tokens_per_s"] > 0 and r["requests_per_s"] > 0, r
-    assert result["identical_outputs"] == 4, f"tandem and HF greedy outputs differ: {result['identical_outputs']}/4"
-    assert result["ratio"] > 0 and "tandem / HF output tokens/s:" in printed, printed
+    hf = "HF generate (batch 4)"
+    assert result["identical_outputs"] == {hf: 4}, f"tandem and HF greedy outputs differ: {result['identical_outputs']}"
+    assert result["ratio"] > 0 and result["peer"] == hf and f"tandem / {hf} output tokens/s:" in printed, printed
     assert "identical greedy outputs: 4/4" in printed, printed
     assert result["machine"]["num_cores"] and "load_avg_1m_at_end" in result["machine"]
 

@@ -29,6 +29,14 @@ class PrefixGroup:
     token_valid: torch.Tensor  # [G, Q] bool
     kv_slots: torch.Tensor  # [G, S] int64 flat cache slots of keys 0..S-1 (padding -> slot 0)
     mask: torch.Tensor  # [G, 1, Q, S] bool, True = may attend
+    # the group is every row of the step in order, G rows of exactly Q (a batch of decodes or of equal
+    # verification rows); see covers_all()
+    dense: bool = False
+
+    def covers_all(self, num_tokens: int) -> bool:
+        """The group is all `num_tokens` query tokens in order (none is graph padding): q.view(G, Q, ...) is its
+        query block and its output is the whole output, with no gathers or scatters."""
+        return self.dense and self.token_idx.numel() == num_tokens
 
 
 @dataclass
@@ -106,8 +114,11 @@ def _group(pieces: list[tuple[int, int, int]], positions: torch.Tensor, qsl: tor
     kv_slots = torch.where(k_valid, blocks * block_size + k_pos % block_size, 0)
     q_pos = positions[token_idx]  # [G, Q]
     mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & k_valid[:, None, :]
+    num_rows = len(pieces)
+    dense = (bool((lens == q_max).all()) and num_rows * q_max == positions.shape[0]
+             and bool((starts == torch.arange(num_rows) * q_max).all()))
     return PrefixGroup(token_idx=token_idx, token_valid=token_valid.to(device), kv_slots=kv_slots,
-                       mask=mask.unsqueeze(1))
+                       mask=mask.unsqueeze(1), dense=dense)
 
 
 def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

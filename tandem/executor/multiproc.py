@@ -13,6 +13,7 @@ to a step has a deadline (TANDEM_STEP_TIMEOUT_S, twice the collective timeout by
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -31,6 +32,7 @@ from tandem.distributed.init import (
     collective_timeout_s,
     free_loopback_port,
     init_distributed,
+    rank_device,
     step_timeout_s,
 )
 from tandem.engine.step_plan import StepOutput, StepPlan
@@ -45,10 +47,11 @@ class EngineDeadError(RuntimeError):
 
 
 def _set_up_rank(config: EngineConfig, rank: int, init_method: str) -> ModelRunner:
+    config = dataclasses.replace(config, device=rank_device(config.device, rank))  # ranks spawned here are local
     init_distributed(rank, config.parallel_config.world_size, init_method, config.device)
     runner = ModelRunner(config, build_groups(config.parallel_config, rank))
     # Every rank must agree on the pool size: take the smallest any rank can hold.
-    num_blocks = torch.tensor([runner.num_kv_blocks()])
+    num_blocks = torch.tensor([runner.num_kv_blocks()], device=config.device)
     dist.all_reduce(num_blocks, op=dist.ReduceOp.MIN)
     runner.allocate_kv_cache(int(num_blocks))
     return runner

@@ -9,6 +9,7 @@ data collectives keep their timeout, so a dead peer still ends the engine with a
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import sys
 from datetime import timedelta
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.config import EngineConfig
-from tandem.distributed.init import build_groups, collective_timeout_s
+from tandem.distributed.init import build_groups, collective_timeout_s, rank_device
 from tandem.engine.step_plan import StepOutput, StepPlan
 from tandem.executor.multiproc import EngineDeadError
 from tandem.worker.model_runner import ModelRunner
@@ -36,13 +37,14 @@ class TorchrunExecutor:
         if world != config.parallel_config.world_size:
             raise ValueError(f"torchrun started {world} ranks but tensor_parallel_size x "
                              f"prefill_context_parallel_size = {config.parallel_config.world_size}")
+        config = dataclasses.replace(config, device=rank_device(config.device, int(os.environ.get("LOCAL_RANK", 0))))
         backend = "nccl" if config.device.startswith("cuda") else "gloo"
         dist.init_process_group(backend, init_method="env://",
                                 timeout=timedelta(seconds=collective_timeout_s()))
         self.rank = dist.get_rank()  # the launcher's rank is the one global read, here at the entry point
         self.control = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
         self.runner = ModelRunner(config, build_groups(config.parallel_config, self.rank))
-        num_blocks = torch.tensor([self.runner.num_kv_blocks()])
+        num_blocks = torch.tensor([self.runner.num_kv_blocks()], device=config.device)
         dist.all_reduce(num_blocks, op=dist.ReduceOp.MIN)
         self.runner.allocate_kv_cache(int(num_blocks))
         self.num_kv_blocks = int(num_blocks)

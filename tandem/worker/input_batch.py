@@ -62,6 +62,7 @@ class InputBuffers:
     they are copied to in one transfer each): no per-step allocation of ids, positions or slots, and the
     compiled model (CUDA graphs above all) always reads its inputs from the same storage."""
 
+    @torch.inference_mode()  # inference tensors, as every other step input: the compiled model's guards agree
     def __init__(self, max_num_tokens: int, device: str):
         self.max_num_tokens = max_num_tokens
         self.device = device

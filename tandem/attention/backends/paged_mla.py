@@ -44,6 +44,8 @@ class PagedMLABackend(AttentionBackend):
             lat = cache_flat.unsqueeze(1)  # [num_slots, 1, L + R]
             sub = dataclasses.replace(meta, groups=short)
             o_latent = prefix_attention(absorb(q_nope, q_pe, up), lat, None, sub, scale, value_dims=lora)  # [T, H, L]
+            if len(meta.groups) == 1 and short[0].covers_all(q_nope.shape[0]):  # a batch of decodes, in order
+                return up_project(o_latent, up)
             rows = torch.cat([g.token_idx[g.token_valid] for g in short])
             out[rows] = up_project(o_latent[rows], up)
         for g in meta.groups:

@@ -22,12 +22,17 @@ def prefix_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor
     so each group gathers its rows once, not twice (decode attention here is bound by that copy)."""
     dv = value_dims if v_flat is None else v_flat.shape[-1]
     assert dv is not None
-    out = q.new_zeros(q.shape[0], q.shape[1], dv)
-    for g in meta.groups:
+    groups = meta.groups
+    out = None if len(groups) == 1 and groups[0].covers_all(q.shape[0]) else q.new_zeros(q.shape[0], q.shape[1], dv)
+    for g in groups:
         kg = gather_rows(k_flat, g.kv_slots).to(q.dtype)  # [G, S, Hkv, Dk]
         vg = kg[..., :dv] if v_flat is None else gather_rows(v_flat, g.kv_slots).to(q.dtype)  # [G, S, Hkv, Dv]
-        og = grouped_sdpa(gather_rows(q, g.token_idx), kg, vg, g.mask, scale)  # [G, Q, Hq, Dv]
+        qg = q.view(*g.token_idx.shape, *q.shape[1:]) if out is None else gather_rows(q, g.token_idx)
+        og = grouped_sdpa(qg, kg, vg, g.mask, scale)  # [G, Q, Hq, Dv]
+        if out is None:  # one dense group: its output is the whole output, in order
+            return og.flatten(0, 1)
         out[g.token_idx[g.token_valid]] = og[g.token_valid]
+    assert out is not None
     return out
 
 

@@ -26,7 +26,7 @@ GSM8K = SHARED_GSM8K / "test.jsonl"
 
 def prompts(n: int) -> list[str]:
     data = str(GSM8K) if GSM8K.is_file() else "synthetic"
-    questions, shots = load_eval_data(data, None, n, 5, seed=42)
+    questions, shots, _ = load_eval_data(data, None, n, 5, seed=42)
     return build_prompts(questions, shots)
 
 

@@ -17,6 +17,7 @@ import tandem.spec_decode.ngram as ngram
 from tandem import LLM, SamplingParams
 from tandem.config import ConfigError
 from tandem.spec_decode.metrics import SpecDecodeStats
+from tandem.spec_decode.ngram import propose_ngram
 
 ARCHS = ["deepseek_v3", "glm4_moe"]
 LENGTHS = [3, 5, 8, 12, 17, 20, 25, 31, 38, 44, 50, 57, 63, 70, 81, 95]
@@ -291,3 +292,46 @@ def test_mtp_layers_cost_no_kv_cache_without_mtp_drafting(tiny_checkpoints):
     # 3 trunk layers vs 3 + 1 MTP layer, same per-layer latent cache
     assert plain.engine.executor.num_kv_blocks * 3 == pytest.approx(drafting.engine.executor.num_kv_blocks * 4,
                                                                     rel=0.01)
+
+
+@pytest.mark.parametrize("pcp", [1, 2])
+def test_ngram_history_survives_prefix_hits_and_preemption(tiny_checkpoints, monkeypatch, pcp):
+    """The n-gram proposer keeps each request's token history on every rank: a request admitted with a prefix-cache
+    hit gets the tokens before its first row once, and a preempted request's history is rebuilt from its rows.
+    Drafts from a broken history would still be verified away, so the test asks for acceptance too: repetitive
+    prompts that share a cached prefix must keep being drafted for."""
+    path = tiny_checkpoints("llama")
+    shared = [7, 8, 9, 10] * 8  # two full 16-token blocks, cached by the first request
+    prompts = [shared + [11, 12], shared + [13, 14, 7, 8], shared + [9, 10, 7]]
+    engine = {"block_size": 16, "max_num_batched_tokens": 32, "num_gpu_blocks_override": 7, "max_model_len": 96,
+              "prefill_context_parallel_size": pcp}
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = LLM(str(path), dtype="float32", **engine)
+    first = plain.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
+    rest = plain.generate([{"prompt_token_ids": p} for p in prompts[1:]], params, use_tqdm=False)
+    plain.shutdown()
+    futures = [p + o.outputs[0].token_ids for p, o in zip(prompts, first + rest, strict=True)]
+    histories: list[list[int]] = []
+
+    def recording(tokens: list[int], *args: int) -> list[int]:
+        histories.append(list(tokens))
+        return propose_ngram(tokens, *args)
+
+    monkeypatch.setattr(ngram, "propose_ngram", recording)  # reaches the drafter of a single-rank engine only
+    llm = LLM(str(path), dtype="float32", **engine,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4})
+    try:
+        got_first = llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
+        got_rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params, use_tqdm=False)
+        m = _metrics(llm)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in got_first + got_rest] == \
+        [o.outputs[0].token_ids for o in first + rest]
+    assert m["tandem:prefix_cache_hits"] > 0, "the later requests should hit the first one's prompt blocks"
+    assert m["tandem:num_preemptions"] > 0, "seven 16-token blocks cannot hold both later requests at full length"
+    assert m["tandem:spec_decode_num_accepted_tokens"] > 0
+    # each history the drafter looked up is a whole prefix of its request's tokens, prompt included
+    assert pcp > 1 or histories
+    for tokens in histories:
+        assert any(f[:len(tokens)] == tokens for f in futures), f"history {tokens[:8]}... is no request's prefix"

@@ -103,7 +103,9 @@ class MultiprocExecutor:
         atexit.register(self.shutdown)
         self._dead = False
         # Loading weights can take a while; the start-up deadline is generous.
-        ready = [self._receive(rank, "ready", time.monotonic() + 60 + 4 * collective_timeout_s())
+        # compiling the model's pieces at warmup (compilation_config.mode) takes minutes on a small CPU
+        compile_s = 1800 if config.compilation_config.compiles else 0
+        ready = [self._receive(rank, "ready", time.monotonic() + 60 + 4 * collective_timeout_s() + compile_s)
                  for rank in range(world)]
         self.num_kv_blocks = int(ready[0])
 

@@ -12,7 +12,8 @@ from typing import Any
 
 _GREEDY_EPS = 1e-5
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
-# vLLM's default max_logprobs (and OpenAI's top_logprobs bound): logprobs are computed per token on every rank
+# the server's bound on logprobs / top_logprobs (vLLM's default max_logprobs, OpenAI's top_logprobs bound); offline,
+# the engine bounds them by the vocabulary at submission
 MAX_LOGPROBS = 20
 # choices are built eagerly at submission (one child request each); the server's --max-n is usually lower
 MAX_N = 4096
@@ -67,10 +68,9 @@ class SamplingParams:
             ("min_tokens", 0 <= self.min_tokens <= INT64_MAX, "an int64 >= 0"),
             ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
              "must be <= max_tokens"),
-            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
-             f"None or an integer from 0 to {MAX_LOGPROBS} (max_logprobs)"),
-            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
-             f"None or an integer from 0 to {MAX_LOGPROBS} (max_logprobs)"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= INT64_MAX, "None or an int64 >= 0"),
+            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= INT64_MAX,
+             "None or an int64 >= 0"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
             ("stop_token_ids", all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.stop_token_ids),
              "non-negative token ids"),

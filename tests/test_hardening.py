@@ -85,7 +85,7 @@ def _assert_serving(url: str) -> None:
     ({"seed": I64}, "seed"), ({"seed": -I64 - 1}, "seed"), ({"seed": 2**64}, "seed"),
     ({"seed": I64 - 1, "n": 2}, "seed"), ({"top_k": I64}, "top_k"), ({"n": I64 - 1}, "n"), ({"n": 10**6}, "n"),
     ({"max_tokens": I64}, "max_tokens"), ({"min_tokens": I64}, "min_tokens"),
-    ({"logprobs": 5000}, "logprobs"), ({"prompt_logprobs": 5000}, "prompt_logprobs"),
+    ({"logprobs": -1}, "logprobs"), ({"prompt_logprobs": I64}, "prompt_logprobs"),
     ({"stop_token_ids": [I64]}, "stop_token_ids"),
     ({"temperature": "hot"}, "temperature"), ({"stop": 5}, "stop"), ({"max_tokens": 1.5}, "max_tokens"),
     ({"n": True}, "n"), ({"top_k": 2.0}, "top_k"), ({"ignore_eos": "yes"}, "ignore_eos"),
@@ -110,6 +110,11 @@ def test_a_failed_call_never_poisons_the_llm(llm, monkeypatch):
     with pytest.raises(ValueError, match=r"prompt_token_ids=\[1\.5\] is invalid"):
         llm.generate(["hello world", {"prompt_token_ids": [1.5]}], params, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+    # row 9: more logprobs than the vocabulary is a ValueError at submission (it used to fail the step)
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=rf"SamplingParams\.{name}=5000 is invalid: at most the vocabulary"):
+            llm.generate(["hello world", "good night"], SamplingParams(max_tokens=2, **{name: 5000}), use_tqdm=False)
+        assert not llm.engine.has_unfinished_requests()
     # a step that raises (as logprobs=5000 used to, deep in the runner) aborts that call's requests
     real = llm.engine.executor.execute
     monkeypatch.setattr(llm.engine.executor, "execute", lambda plan: (_ for _ in ()).throw(RuntimeError("boom")))

@@ -61,6 +61,11 @@ class LLMEngine:
                     request_id: str | None = None) -> Request | ParentRequest | RequestOutput:
         """Queue a request (n > 1: its n children); a request that cannot run comes back at once as a failed
         RequestOutput."""
+        vocab = self.config.model_config.get("vocab_size")
+        for name in ("logprobs", "prompt_logprobs"):  # vLLM's max_logprobs: at most the vocabulary, at submission
+            if vocab is not None and (getattr(params, name) or 0) > vocab:
+                raise ValueError(f"SamplingParams.{name}={getattr(params, name)} is invalid: at most the "
+                                 f"vocabulary size ({vocab})")
         request_id = request_id if request_id is not None else str(next(self._ids))
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)

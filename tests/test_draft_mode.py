@@ -72,7 +72,7 @@ def test_replicated_draft_metadata_is_the_single_rank_metadata():
     from tandem.distributed.groups import Group
     from tandem.engine.step_plan import RowSampling, ScheduledRow, StepPlan
     from tandem.worker.input_batch import global_attention_metadata, prepare_inputs
-    from tandem.worker.pcp_hooks import PCPHooks
+    from tandem.worker.pcp_hooks import make_pcp_hooks
 
     greedy = RowSampling(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, num_logprobs=None)
     plan = StepPlan([
@@ -80,8 +80,8 @@ def test_replicated_draft_metadata_is_the_single_rank_metadata():
         ScheduledRow("chunk", list(range(30, 70)), 16, [0, 1, 2, 5], is_prefill=True, sampling=greedy),
     ], num_spec_tokens=2)
     batch = prepare_inputs(plan, 16, "cpu")
-    single = PCPHooks(Group(0, 1), 16).maybe_partition(batch).attn_metadata
-    local = PCPHooks(Group(1, 2), 16).maybe_partition(batch).attn_metadata  # rank 1 of 2, no collective needed
+    single = make_pcp_hooks(Group(0, 1), 16).maybe_partition(batch).attn_metadata
+    local = make_pcp_hooks(Group(1, 2), 16).maybe_partition(batch).attn_metadata  # rank 1 of 2, no collective needed
     replicated = global_attention_metadata(batch, 16)
     for field in ("positions", "query_start_loc_cpu", "seq_lens_cpu", "block_table", "write_rows", "write_slots"):
         assert torch.equal(getattr(replicated, field), getattr(single, field)), field

@@ -179,7 +179,7 @@ def test_confidence_is_one_probability_per_draft(pair):
     conf = proposer.last_confidence
     assert conf.shape == (3, 3), f"one confidence per draft of each of the 3 rows expected, got {tuple(conf.shape)}"
     assert bool(((conf > 0) & (conf < 1)).all()), f"confidences outside (0, 1): {conf}"
-    assert 0 < proposer.mean_confidence < 1
+    assert 0 < llm.engine.spec_stats.mean_confidence < 1
     # exported with the engine's metrics: the mean over every draft proposed, here exactly this proposal's
     exported = _metrics(llm)["tandem:spec_decode_dspark_mean_confidence"]
     assert exported == pytest.approx(float(conf.mean()), rel=1e-5)

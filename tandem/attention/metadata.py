@@ -9,6 +9,7 @@ that starts mid-prompt (chunked prefill, a PCP segment) needs nothing special.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,12 @@ class PrefixGroup:
     # the group is every row of the step in order, G rows of exactly Q (a batch of decodes or of equal
     # verification rows); see covers_all()
     dense: bool = False
+    # ~mask, or None when every query may see every gathered key (one request's decode): computed once a step,
+    # not once a layer
+    blocked: torch.Tensor | None = None
+
+    def with_mask(self, mask: torch.Tensor) -> PrefixGroup:
+        return dataclasses.replace(self, mask=mask, blocked=_blocked(mask))
 
     def covers_all(self, num_tokens: int) -> bool:
         """The group is all `num_tokens` query tokens in order (none is graph padding): q.view(G, Q, ...) is its
@@ -117,8 +124,14 @@ def _group(pieces: list[tuple[int, int, int]], positions: torch.Tensor, qsl: tor
     num_rows = len(pieces)
     dense = (bool((lens == q_max).all()) and num_rows * q_max == positions.shape[0]
              and bool((starts == torch.arange(num_rows) * q_max).all()))
-    return PrefixGroup(token_idx=token_idx, token_valid=token_valid.to(device), kv_slots=kv_slots,
-                       mask=mask.unsqueeze(1), dense=dense)
+    mask = mask.unsqueeze(1)
+    return PrefixGroup(token_idx=token_idx, token_valid=token_valid.to(device), kv_slots=kv_slots, mask=mask,
+                       dense=dense, blocked=_blocked(mask))
+
+
+def _blocked(mask: torch.Tensor) -> torch.Tensor | None:
+    blocked = ~mask
+    return blocked if bool(blocked.any()) else None
 
 
 def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

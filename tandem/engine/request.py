@@ -15,7 +15,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler's queue look-ups must not compare token lists field by field
 class Request:
     request_id: str
     prompt_token_ids: list[int]

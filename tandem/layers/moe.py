@@ -182,6 +182,36 @@ class FusedMoE(nn.Module):
         return torch.cat(pieces)  # [n, H]
 
     def _experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if topk_ids.numel() <= self._max_gathered_pairs:
+            return self._gathered_experts(x, topk_weights, topk_ids)
+        return self._looped_experts(x, topk_weights, topk_ids)
+
+    @property
+    def _max_gathered_pairs(self) -> int:
+        """(token, choice) pairs up to which each pair gathers its expert's weights (a few decode tokens): no more
+        pairs than local experts (the loop would run about as many experts) and at most ~4 MB of weights copied."""
+        pair_bytes = (self.w13_weight[0].numel() + self.w2_weight[0].numel()) * self.w13_weight.element_size()
+        return min(self.num_local_experts, (4 << 20) // max(pair_bytes, 1))
+
+    def _gathered_experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        # Each of the T*K pairs gathers its expert's weights and runs as one batched matmul: no host sync, no loop
+        # over experts. Choices are summed in ascending expert order, one at a time, as the loop's index_add does,
+        # so both paths give the same sums. A non-local choice (expert parallel) runs expert 0 with weight 0.
+        t, k = topk_ids.shape
+        ids, order = torch.sort(topk_ids - self.expert_start, dim=1, stable=True)  # [T, K] local ids, ascending
+        weights = topk_weights.gather(1, order)
+        is_local = (ids >= 0) & (ids < self.num_local_experts)
+        ids, weights = torch.where(is_local, ids, 0).flatten(), torch.where(is_local, weights, 0.0)
+        xs = x.unsqueeze(1).expand(t, k, x.shape[1]).reshape(t * k, 1, x.shape[1])  # [T*K, 1, H]
+        h = torch.bmm(xs, self.w13_weight[ids].transpose(1, 2))  # [T*K, 1, 2I]
+        h = torch.bmm(silu_and_mul(h), self.w2_weight[ids].transpose(1, 2)).view(t, k, -1)  # [T, K, H]
+        h = h * weights.unsqueeze(-1)
+        out = torch.zeros_like(x) + h[:, 0].to(x.dtype)
+        for j in range(1, k):
+            out = out + h[:, j].to(x.dtype)
+        return out
+
+    def _looped_experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         # Sort the T*K (token, choice) pairs by local expert, then run each expert once on its rows.
         # Example, K = 2, one rank owning experts 0..3: topk_ids [[2, 0], [2, 3]] -> flat [2, 0, 2, 3],
         # order [1, 0, 2, 3], counts [1, 0, 2, 1]: expert 0 gets pair 1 (token 0), expert 2 pairs 0, 2

@@ -183,7 +183,7 @@ class DraftDecodeMetadata:
         k_pos = torch.arange(group.kv_slots.shape[1], device=clamped.device)
         mask = (k_pos[None, :] <= clamped[:, None])[:, None, None, :]  # [S, 1, 1, max_seq_len]
         return dataclasses.replace(self.base, positions=clamped, seq_lens_cpu=seq_lens, write_rows=write_rows,
-                                   write_slots=slots[writes], groups=[dataclasses.replace(group, mask=mask)])
+                                   write_slots=slots[writes], groups=[group.with_mask(mask)])
 
 
 def draft_max_seq_len(batch: InputBatch, k: int, max_model_len: int) -> int:

@@ -42,7 +42,7 @@ class PagedMLABackend(AttentionBackend):
         short = [g for g in meta.groups if g.token_idx.shape[1] <= SHORT_ROW_TOKENS]
         if short:
             lat = cache_flat.unsqueeze(1)  # [num_slots, 1, L + R]
-            sub = dataclasses.replace(meta, groups=short)
+            sub = meta if len(short) == len(meta.groups) else dataclasses.replace(meta, groups=short)
             o_latent = prefix_attention(absorb(q_nope, q_pe, up), lat, None, sub, scale, value_dims=lora)  # [T, H, L]
             if len(meta.groups) == 1 and short[0].covers_all(q_nope.shape[0]):  # a batch of decodes, in order
                 return up_project(o_latent, up)

@@ -28,7 +28,7 @@ def prefix_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor
         kg = gather_rows(k_flat, g.kv_slots).to(q.dtype)  # [G, S, Hkv, Dk]
         vg = kg[..., :dv] if v_flat is None else gather_rows(v_flat, g.kv_slots).to(q.dtype)  # [G, S, Hkv, Dv]
         qg = q.view(*g.token_idx.shape, *q.shape[1:]) if out is None else gather_rows(q, g.token_idx)
-        og = grouped_sdpa(qg, kg, vg, g.mask, scale)  # [G, Q, Hq, Dv]
+        og = grouped_sdpa(qg, kg, vg, g.mask, scale, g.blocked)  # [G, Q, Hq, Dv]
         if out is None:  # one dense group: its output is the whole output, in order
             return og.flatten(0, 1)
         out[g.token_idx[g.token_valid]] = og[g.token_valid]
@@ -36,8 +36,10 @@ def prefix_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor
     return out
 
 
-def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                 blocked: torch.Tensor | None | str = "from mask") -> torch.Tensor:
     """q: [G, Q, Hq, Dk]; k: [G, S, Hkv, Dk]; v: [G, S, Hkv, Dv]; mask: [G, 1, Q, S] -> [G, Q, Hq, Dv].
+    `blocked`: ~mask as the metadata precomputed it (None: nothing is masked), else it is derived from `mask`.
 
     The r = Hq / Hkv query heads that share a KV head are folded into the query axis ([G, Hkv, r * Q, Dk], the
     mask tiled r times): SDPA's own enable_gqa path on CPU is ~20x slower for decodes, and MLA's absorbed
@@ -46,14 +48,18 @@ def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     hkv = k.shape[2]
     r = hq // hkv
     qf = q.view(G, Q, hkv, r, -1).permute(0, 2, 3, 1, 4).reshape(G, hkv, r * Q, -1)
-    mask = mask.repeat(1, 1, r, 1) if r > 1 else mask
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # [G, Hkv, S, D*]
     if r * Q <= SMALL_QUERY_ROWS:
         # Decodes and verification rows: two batched matmuls beat CPU SDPA's kernel ~5x at a few query rows
         # (every query row sees at least one key, so no row is all -inf).
-        scores = torch.matmul(qf, k.transpose(-1, -2)).mul_(scale).masked_fill_(~mask, float("-inf"))
+        scores = torch.matmul(qf, k.transpose(-1, -2)).mul_(scale)  # [G, Hkv, r * Q, S]
+        if isinstance(blocked, str):
+            blocked = ~mask
+        if blocked is not None:  # the r heads of a KV head share the mask: broadcast it, no tiling
+            scores.view(G, hkv, r, Q, -1).masked_fill_(blocked.unsqueeze(2), float("-inf"))
         out = torch.matmul(scores.softmax(-1), v)
     else:
+        mask = mask.repeat(1, 1, r, 1) if r > 1 else mask
         out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale)
     return out.view(G, hkv, r, Q, -1).permute(0, 3, 1, 2, 4).reshape(G, Q, hq, -1)
 

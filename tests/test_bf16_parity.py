@@ -19,7 +19,7 @@ from engine_utils import random_prompts
 from tandem import LLM, SamplingParams
 
 ARCHS = ["llama", "qwen3", "glm4_moe", "deepseek_v3", "glm4_moe_lite"]
-MAX_TOKENS = 16
+MAX_TOKENS = 12
 TIE = 0.03  # relative to the top logit's magnitude
 
 
@@ -53,7 +53,7 @@ def _hf_next_logits(model, ids: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_bf16_greedy_matches_hf_up_to_numerical_ties(tiny_checkpoints, arch):
     path = tiny_checkpoints(arch)
-    prompts = random_prompts([5, 12, 23, 31], vocab_size=500, seed=7)
+    prompts = random_prompts([5, 17, 31], vocab_size=500, seed=7)
     llm = LLM(str(path), dtype="bfloat16")
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)

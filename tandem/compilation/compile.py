@@ -27,9 +27,6 @@ def _configure_inductor() -> None:
     import torch._inductor.config as inductor
 
     inductor.freezing = True  # weights are constants at inference: fold and prepack them
-    # parameters as constants of the module, not graph inputs: far fewer guards to check on every call (the guard
-    # check was ~0.3 ms a step, a sixth of a batch-1 decode on the bundled model)
-    torch._dynamo.config.inline_inbuilt_nn_modules = False
     # each engine in a process (tests build many) compiles its own model instances
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 1024)

@@ -69,7 +69,7 @@ class OutputProcessor:
         sp = req.sampling_params
         req.output_token_ids.append(token)
         self.stats.num_generation_tokens += 1
-        if logprobs is not None:
+        if logprobs is not None and sp.logprobs is not None:  # a batch-mate may have asked; this request did not
             if req.logprobs is None:
                 req.logprobs = []
             req.logprobs.append(trim_logprobs(logprobs, token, sp.logprobs or 0))

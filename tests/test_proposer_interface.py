@@ -10,26 +10,26 @@ from pathlib import Path
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.spec_decode.proposer import NoProposer, Proposal, TargetStep
+from tandem.config import SpeculativeConfig
+from tandem.spec_decode.ngram_proposer import NgramProposer
+from tandem.spec_decode.proposer import Proposal, TargetStep
 from tandem.worker import model_runner
 
 
-class ScriptedProposer(NoProposer):
-    """Drafts the target's own greedy continuation (known in advance), so every draft is accepted; records calls."""
+class ScriptedProposer(NgramProposer):
+    """Keeps token histories as the n-gram drafter does, but drafts the target's own greedy continuation (known in
+    advance), so every draft is accepted; records calls."""
 
     def __init__(self, futures: dict[tuple[int, ...], list[int]]):
+        super().__init__(SpeculativeConfig())
         self.futures = futures
-        self.history: dict[str, list[int]] = {}
         self.observed: list[int] = []  # tokens per observed step
         self.freed: list[str] = []
 
     def observe(self, step: TargetStep) -> None:
         assert step.hidden_local.shape[0] == step.local.input_ids.shape[0]
         self.observed.append(step.batch.num_tokens)
-        for row in step.plan.rows:
-            tokens = self.history.setdefault(row.request_id, [])
-            del tokens[row.num_computed_tokens:]
-            tokens.extend(row.token_ids[:len(row.token_ids) - row.num_draft_tokens])
+        super().observe(step)
 
     def propose(self, step: TargetStep, emitted: list[list[int]], k: int) -> Proposal:
         drafts = []
@@ -42,6 +42,7 @@ class ScriptedProposer(NoProposer):
 
     def free(self, request_ids: list[str]) -> None:
         self.freed += request_ids
+        super().free(request_ids)
 
 
 def test_fake_proposer_drives_the_runner(tiny_checkpoints):

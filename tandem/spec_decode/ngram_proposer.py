@@ -11,26 +11,17 @@ O(tokens of the step) plus the lookup itself.
 
 from __future__ import annotations
 
-import torch
-
 from tandem.config import SpeculativeConfig
 from tandem.spec_decode import ngram
-from tandem.spec_decode.proposer import Proposal, TargetStep
+from tandem.spec_decode.proposer import NoProposer, Proposal, TargetStep
 
 
-class NgramProposer:
+class NgramProposer(NoProposer):
+    """No weights and no KV of its own (NoProposer's no-op sizing, allocation and warmup)."""
+
     def __init__(self, spec: SpeculativeConfig):
         self.min_n, self.max_n = spec.prompt_lookup_min, spec.prompt_lookup_max
         self.history: dict[str, list[int]] = {}  # request id -> its tokens so far
-
-    def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        return 0
-
-    def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: str) -> None:
-        pass
-
-    def warmup(self, step: TargetStep, k: int) -> None:
-        pass
 
     def observe(self, step: TargetStep) -> None:
         for row in step.plan.rows:

@@ -38,7 +38,7 @@ class PrefixGroup:
     blocked: torch.Tensor | None = None
 
     def with_mask(self, mask: torch.Tensor) -> PrefixGroup:
-        return dataclasses.replace(self, mask=mask, blocked=_blocked(mask))
+        return dataclasses.replace(self, mask=mask, blocked=~mask)
 
     def covers_all(self, num_tokens: int) -> bool:
         """The group is all `num_tokens` query tokens in order (none is graph padding): q.view(G, Q, ...) is its
@@ -125,13 +125,11 @@ def _group(pieces: list[tuple[int, int, int]], positions: torch.Tensor, qsl: tor
     dense = (bool((lens == q_max).all()) and num_rows * q_max == positions.shape[0]
              and bool((starts == torch.arange(num_rows) * q_max).all()))
     mask = mask.unsqueeze(1)
+    # Nothing is masked only when every piece is one query that sees all s_max keys (rows of more queries are
+    # causal inside; under a key bound the queries sit below it): decided on the CPU, no device read per step.
+    nothing_masked = key_bound is None and q_max == 1 and bool((visible == s_max).all())
     return PrefixGroup(token_idx=token_idx, token_valid=token_valid.to(device), kv_slots=kv_slots, mask=mask,
-                       dense=dense, blocked=_blocked(mask))
-
-
-def _blocked(mask: torch.Tensor) -> torch.Tensor | None:
-    blocked = ~mask
-    return blocked if bool(blocked.any()) else None
+                       dense=dense, blocked=None if nothing_masked else ~mask)
 
 
 def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

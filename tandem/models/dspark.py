@@ -168,7 +168,7 @@ class DSparkAttention(nn.Module):
         values = torch.cat((cache[1, prefix.kv_slots].to(x.dtype), v.view(s, -1, *v.shape[1:])), dim=1)
         qs = q.view(s, -1, *q.shape[1:])  # [S, B, Hq, D]
         mask = prefix.mask.expand(-1, -1, qs.shape[1], -1)  # [S, 1, B, L + B]
-        out = grouped_sdpa(qs, keys, values, mask, self.head_dim**-0.5)  # [S, B, Hq, D]
+        out = grouped_sdpa(qs, keys, values, mask, self.head_dim**-0.5, ~mask)  # [S, B, Hq, D]
         return self.o_proj(out.reshape(x.shape[0], -1))  # [S * B, Hq * D]
 
 

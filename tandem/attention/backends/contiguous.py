@@ -37,7 +37,8 @@ def cached_prefix_plus_new_attention(q: torch.Tensor, k_new: torch.Tensor, v_new
     for g in row_groups(meta):  # whole rows: a row's new keys come from its own new tokens
         keys = torch.cat((gather_rows(k_flat, g.kv_slots).to(q.dtype), gather_rows(k_new, g.token_idx)), dim=1)
         values = torch.cat((gather_rows(v_flat, g.kv_slots).to(q.dtype), gather_rows(v_new, g.token_idx)), dim=1)
-        og = grouped_sdpa(q[g.token_idx], keys, values, _mask(g, meta), scale)  # [G, Q, Hq, Dv]
+        mask = _mask(g, meta)
+        og = grouped_sdpa(q[g.token_idx], keys, values, mask, scale, ~mask)  # [G, Q, Hq, Dv]
         out[g.token_idx[g.token_valid]] = og[g.token_valid]
     return out
 
@@ -92,7 +93,8 @@ class ContiguousMLABackend(AttentionBackend):
             if g.token_idx.shape[1] <= SHORT_ROW_TOKENS:
                 q = gather_rows(absorb(q_nope, q_pe, up), g.token_idx)  # [G, Q, H, L + R]
                 lat = latent.unsqueeze(2)  # [G, S + Q, 1, L + R]: MQA
-                og = up_project(grouped_sdpa(q, lat, lat[..., :lora], _mask(g, meta), scale).flatten(0, 1), up)
+                mask = _mask(g, meta)
+                og = up_project(grouped_sdpa(q, lat, lat[..., :lora], mask, scale, ~mask).flatten(0, 1), up)
                 og = og.view(*g.token_idx.shape, *og.shape[1:])
             else:
                 og = expanded_attention(gather_rows(q_nope, g.token_idx), gather_rows(q_pe, g.token_idx), latent,

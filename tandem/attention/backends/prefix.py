@@ -37,9 +37,9 @@ def prefix_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor
 
 
 def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-                 blocked: torch.Tensor | None | str = "from mask") -> torch.Tensor:
+                 blocked: torch.Tensor | None) -> torch.Tensor:
     """q: [G, Q, Hq, Dk]; k: [G, S, Hkv, Dk]; v: [G, S, Hkv, Dv]; mask: [G, 1, Q, S] -> [G, Q, Hq, Dv].
-    `blocked`: ~mask as the metadata precomputed it (None: nothing is masked), else it is derived from `mask`.
+    `blocked`: ~mask, as the metadata precomputed it once a step (None: nothing is masked).
 
     The r = Hq / Hkv query heads that share a KV head are folded into the query axis ([G, Hkv, r * Q, Dk], the
     mask tiled r times): SDPA's own enable_gqa path on CPU is ~20x slower for decodes, and MLA's absorbed
@@ -53,8 +53,6 @@ def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
         # Decodes and verification rows: two batched matmuls beat CPU SDPA's kernel ~5x at a few query rows
         # (every query row sees at least one key, so no row is all -inf).
         scores = torch.matmul(qf, k.transpose(-1, -2)).mul_(scale)  # [G, Hkv, r * Q, S]
-        if isinstance(blocked, str):
-            blocked = ~mask
         if blocked is not None:  # the r heads of a KV head share the mask: broadcast it, no tiling
             scores.view(G, hkv, r, Q, -1).masked_fill_(blocked.unsqueeze(2), float("-inf"))
         out = torch.matmul(scores.softmax(-1), v)

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.distributed.groups import Group
+from tandem.distributed.groups import SINGLE, Group
 from tandem.layers.moe import FusedMoE
 
 
-def _moe(ep: Group = Group()) -> FusedMoE:
+def _moe(ep: Group = SINGLE) -> FusedMoE:
     g = torch.Generator().manual_seed(0)
     moe = FusedMoE(8, 64, 32, ep=ep)
     moe.w13_weight.data = torch.randn(moe.w13_weight.shape, generator=g)

@@ -131,6 +131,15 @@ def run_bench(name: str, url: str, model: str | None, prompts: list[str], concur
 
 
 def report(results: list[BenchResult]) -> str:
+    """One table per concurrency level (a heading names the level when there are several)."""
+    levels = sorted({r.concurrency for r in results})
+    if len(levels) == 1:
+        return _report_table(results)
+    return "\n\n".join(f"concurrency {c}:\n" + _report_table([r for r in results if r.concurrency == c])
+                       for c in levels)
+
+
+def _report_table(results: list[BenchResult]) -> str:
     lines = ["| server | req/s | output tok/s | TTFT p50 / p90 / p99 ms | TPOT p50 / p90 / p99 ms | "
              "ITL p50 / p90 / p99 ms |", "|---|---|---|---|---|---|"]
 
@@ -146,6 +155,14 @@ def report(results: list[BenchResult]) -> str:
         lines.append(f"identical texts: {identical_texts(a, b)}/{a.num_prompts}; output tokens {a.output_tokens} "
                      f"({a.token_counts}) vs {b.output_tokens} ({b.token_counts})")
     return "\n".join(lines)
+
+
+def peer_pairs(results: list[BenchResult]) -> list[tuple[BenchResult, BenchResult]]:
+    """(server, peer) at each concurrency level where both ran."""
+    by_level: dict[int, list[BenchResult]] = {}
+    for r in results:
+        by_level.setdefault(r.concurrency, []).append(r)
+    return [(runs[0], runs[1]) for runs in by_level.values() if len(runs) == 2]
 
 
 def identical_texts(a: BenchResult, b: BenchResult) -> int:
@@ -170,31 +187,68 @@ def token_counter(model_folder: str | None) -> Callable[[str], int]:
     return count
 
 
-def bench_serve(url: str, model: str | None, vs: str | None, hf: hf_peer.HFPeerConfig, prompts: list[str],
-                concurrency: int, max_tokens: int, ignore_eos: bool) -> dict[str, Any]:
-    """The load on `url`, then on the peer `vs` (a base URL, or "hf": `transformers serve` started here)."""
+@dataclass(frozen=True)
+class Load:
+    """What every run sends: the prompts, the concurrency levels swept (one run per level) and the request shape."""
+
+    prompts: list[str]
+    concurrencies: list[int]
+    max_tokens: int
+    ignore_eos: bool
+
+
+def bench_serve(url: str, model: str | None, vs: str | None, hf: hf_peer.HFPeerConfig, load: Load,
+                label: str | None = None, vs_label: str | None = None) -> dict[str, Any]:
+    """The load on `url` at each concurrency level, then on the peer `vs` (a base URL, or "hf": `transformers
+    serve` started here, once for all levels); `label` and `vs_label` name the two in the report and plot."""
     info = machine_info()
     folder = hf.model or (hf_peer.served_model_root(url) if vs == "hf" else None)
     count = token_counter(folder)
-    results = [run_bench(url, url, model, prompts, concurrency, max_tokens, ignore_eos, count)]
-    config: dict[str, Any] = {"url": url, "vs": vs, "num_prompts": len(prompts), "concurrency": concurrency,
-                              "max_tokens": max_tokens, "ignore_eos": ignore_eos}
+
+    def sweep(name: str, base_url: str, model_id: str | None) -> list[BenchResult]:
+        return [run_bench(name, base_url, model_id, load.prompts, c, load.max_tokens, load.ignore_eos, count)
+                for c in load.concurrencies]
+
+    results = sweep(label or url, url, model)
+    config: dict[str, Any] = {"url": url, "vs": vs, "num_prompts": len(load.prompts),
+                              "concurrency": load.concurrencies[0] if len(load.concurrencies) == 1
+                              else load.concurrencies, "max_tokens": load.max_tokens, "ignore_eos": load.ignore_eos}
     if vs == "hf":
         assert folder is not None
         cb = hf_peer.use_continuous_batching(folder, hf.continuous_batching)
-        name = hf_peer.peer_name(cb)
+        name = vs_label or hf_peer.peer_name(cb)
         print(f"peer: {name}, model {folder}, dtype {hf.dtype}")
         with hf_peer.hf_server(folder, hf.dtype, cb, hf.startup_timeout_s) as hf_url:
             # No model field: a forced-model `transformers serve` takes requests without one.
-            results.append(run_bench(name, hf_url, None, prompts, concurrency, max_tokens, ignore_eos, count))
+            results += sweep(name, hf_url, None)
         config |= {"peer": name, "hf_model": folder, "hf_dtype": hf.dtype, "hf_continuous_batching": cb}
     elif vs:
-        results.append(run_bench(vs, vs, model, prompts, concurrency, max_tokens, ignore_eos, count))
+        results += sweep(vs_label or vs, vs, model)
     info["load_avg_1m_at_end"] = os.getloadavg()[0]
     out: dict[str, Any] = {"machine": info, "config": config, "results": results}
-    if len(results) == 2:
-        out["identical_texts"] = identical_texts(*results)
+    if pairs := peer_pairs(results):
+        out["identical_texts"] = sum(identical_texts(a, b) for a, b in pairs)
     return out
+
+
+def plot_concurrency(bench: dict[str, Any], model: str, path: str | Path) -> Path:
+    """Output tokens/s and TTFT p50 against the concurrency level, one line per server."""
+    from tandem.bench.plot import Panel, lines_by, machine_caption, plot_lines
+
+    rows = [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in bench["results"]]
+
+    def name(row: dict[str, Any]) -> str:
+        return row["name"]
+
+    def ttft_ms(row: dict[str, Any]) -> float | None:
+        return 1000 * row["ttft_s"]["p50"] if row["ttft_s"] else None
+
+    cfg = bench["config"]
+    return plot_lines(path, [Panel("output tokens/s", lines_by(rows, "concurrency", "tokens_per_s", name), y_min=0),
+                             Panel("TTFT p50 (ms)", lines_by(rows, "concurrency", ttft_ms, name), y_min=0)],
+                      title=f"tandem bench serve: {cfg['num_prompts']} streamed requests x {cfg['max_tokens']} "
+                            "tokens, by requests in flight",
+                      x_label="concurrent requests", subtitle=machine_caption(bench["machine"], model), log2_x=True)
 
 
 def results_json(bench: dict[str, Any]) -> str:

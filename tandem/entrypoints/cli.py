@@ -84,7 +84,10 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--vs", default=None, help="a peer run on the same prompts right after: a server's base URL, or "
                    "'hf' to start Hugging Face's `transformers serve` on the same model here")
     s.add_argument("--model", default=None, help="model id to send (default: none, the server's only model)")
-    s.add_argument("--concurrency", type=int, default=32)
+    s.add_argument("--concurrency", default="32",
+                   help="requests in flight; a comma-separated list (1,2,4,8) runs the load once at each level")
+    s.add_argument("--label", default=None, help="the --url server's name in the report and plot (default: URL)")
+    s.add_argument("--vs-label", default=None, help="the peer's name in the report and plot")
     s.add_argument("--num-prompts", type=int, default=128)
     s.add_argument("--max-tokens", type=int, default=64)
     s.add_argument("--input-len", type=int, default=None,
@@ -101,6 +104,8 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="--vs hf: auto = on, except for MLA checkpoints (transformers' paged cache fails on them)")
     s.add_argument("--hf-startup-timeout", type=float, default=300.0, help="--vs hf: seconds to wait for /health")
     s.add_argument("--output-json", default=None)
+    s.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="also draw output tokens/s and TTFT against concurrency (needs the `plot` extra)")
     o = kind.add_parser("offline", help="LLM.generate throughput on a batch of prompts (and HF generate: --vs hf)")
     o.add_argument("model", nargs="?", default=None, help="local model folder (default: the bundled model)")
     o.add_argument("--num-prompts", type=int, default=32)
@@ -117,7 +122,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    positive = {"serve": ("concurrency", "num_prompts", "max_tokens", "hf_startup_timeout", "input_len"),
+    positive = {"serve": ("num_prompts", "max_tokens", "hf_startup_timeout", "input_len"),
                 "offline": ("num_prompts", "max_tokens", "repeats", "input_len", "hf_batch_size")}[args.bench]
     for name in positive:
         value = getattr(args, name)
@@ -125,7 +130,30 @@ def run_bench(args: argparse.Namespace) -> int:
             print(f"tandem bench {args.bench}: --{name.replace('_', '-')} must be at least 1, got {value}",
                   file=sys.stderr)
             return 2
+    if args.bench == "serve":
+        levels = _concurrency_levels(args.concurrency)
+        if levels is None:
+            print(f"tandem bench serve: --concurrency must be integers of at least 1, comma-separated, got "
+                  f"{args.concurrency!r}", file=sys.stderr)
+            return 2
+        args.concurrency = levels
+    if getattr(args, "plot", None):
+        from tandem.bench.plot import PlotUnavailable, require_matplotlib
+
+        try:
+            require_matplotlib()  # before the load runs, not after
+        except PlotUnavailable as e:
+            print(f"tandem bench {args.bench}: {e}", file=sys.stderr)
+            return 2
     return _bench_offline(args) if args.bench == "offline" else _bench_serve(args)
+
+
+def _concurrency_levels(text: str) -> list[int] | None:
+    try:
+        levels = [int(part) for part in text.split(",")]
+    except ValueError:
+        return None
+    return levels if all(n >= 1 for n in levels) else None
 
 
 def _bench_offline(args: argparse.Namespace) -> int:
@@ -155,8 +183,8 @@ def _bench_serve(args: argparse.Namespace) -> int:
         else:
             folder = args.tokenizer or args.hf_model or hf_peer.served_model_root(args.url)
             prompts = random_text_prompts(folder, args.num_prompts, args.input_len, args.seed)
-        bench = serve.bench_serve(args.url, args.model, args.vs, hf, prompts,
-                                  args.concurrency, args.max_tokens, ignore_eos)
+        load = serve.Load(prompts, args.concurrency, args.max_tokens, ignore_eos)
+        bench = serve.bench_serve(args.url, args.model, args.vs, hf, load, args.label, args.vs_label)
         bench["config"]["prompts"] = "GSM8K test questions" if args.input_len is None else \
             f"{args.input_len} random token ids each, decoded (seed {args.seed})"
     except RuntimeError as e:  # a server that is down, answers an error or fails a stream; a failed HF peer
@@ -165,7 +193,19 @@ def _bench_serve(args: argparse.Namespace) -> int:
     print(serve.report(bench["results"]))
     if args.output_json:
         Path(args.output_json).write_text(serve.results_json(bench) + "\n")
+    if args.plot:
+        print(f"plot: {serve.plot_concurrency(bench, _served_model_name(args), args.plot)}")
     return 0
+
+
+def _served_model_name(args: argparse.Namespace) -> str:
+    """The plot's model name: the --url server's model folder, else the id sent, else the URL."""
+    from tandem.bench import hf_peer
+
+    try:
+        return Path(args.hf_model or hf_peer.served_model_root(args.url)).name
+    except hf_peer.PeerError:
+        return args.model or args.url
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -2,12 +2,14 @@
 vs n-gram (and DSpark on the bundled model), at batch 1 and batch 32, in one run on one model.
 
     python benchmarks/spec_decode.py [--model PATH] [--max-tokens 128] [--batches 1 32] [--compilation-mode 0|3]
-        [--json out.json]
+        [--json out.json] [--plot acceptance.png]
 
 Default model: the bundled tandem-dsv3-tiny, with its trained MTP head and DSpark drafter. MTP rows need a
 checkpoint with MTP layers (num_nextn_predict_layers > 0); they are skipped otherwise. Prompts: 5-shot GSM8K
 test questions (`tandem eval gsm8k`'s layout) from ../shared/data/gsm8k when present, else the synthetic split;
-generation stops at the answer's end (a blank line), as in the eval.
+generation stops at the answer's end (a blank line), as in the eval. Per-position acceptance (vLLM's definition):
+drafts accepted at position i / drafts verified, i = 1..K, over every step of the runs on one engine (the warm-up
+included); `--plot` draws it per drafter, one panel per batch size.
 """
 
 from __future__ import annotations
@@ -44,12 +46,30 @@ def run(model: str, spec: dict | None, batch: int, max_tokens: int, args: argpar
         start = time.perf_counter()
         outs = llm.generate(prompts(batch), params, use_tqdm=False)
         elapsed = min(elapsed, time.perf_counter() - start)
-        metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+        metrics = {m.name: m.values if hasattr(m, "values") else m.value for m in llm.get_metrics()}
     llm.shutdown()
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    drafts = metrics.get("tandem:spec_decode_num_drafts") or 0
+    per_pos = metrics.get("tandem:spec_decode_num_accepted_tokens_per_pos") or []
     return {"batch": batch, "tokens_per_s": tokens / elapsed, "wall_s": elapsed,
             "mean_acceptance_length": metrics.get("tandem:spec_decode_mean_acceptance_length", 1.0),
-            "acceptance_rate": metrics.get("tandem:spec_decode_acceptance_rate")}
+            "acceptance_rate": metrics.get("tandem:spec_decode_acceptance_rate"),
+            "acceptance_per_pos": [n / drafts for n in per_pos] if drafts else []}
+
+
+def plot_acceptance(results: list[dict], model: str, args: argparse.Namespace) -> Path:
+    """Acceptance rate at each draft position, one line per drafter, one panel per batch size."""
+    from tandem.bench.machine import machine_info
+    from tandem.bench.plot import Panel, lines_by, machine_caption, plot_lines
+
+    points = [{"config": r["config"], "batch": r["batch"], "position": i + 1, "rate": rate}
+              for r in results for i, rate in enumerate(r["acceptance_per_pos"])]
+    panels = [Panel(f"acceptance rate, batch {b}", lines_by([q for q in points if q["batch"] == b], "position",
+                                                           "rate", lambda q: q["config"]), y_min=0)
+              for b in args.batches]
+    return plot_lines(args.plot, panels, title=f"Per-position draft acceptance (greedy, GSM8K 5-shot, "
+                      f"<= {args.max_tokens} tokens)", x_label="draft position",
+                      subtitle=machine_caption(machine_info(), model))
 
 
 def main() -> None:
@@ -62,7 +82,16 @@ def main() -> None:
     p.add_argument("--compilation-mode", type=int, default=0, help="3: compiled pieces (VLLM_COMPILE)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per point; the best is reported")
     p.add_argument("--json")
+    p.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
+                   help="draw the per-position acceptance rate of each drafter (needs the `plot` extra)")
     args = p.parse_args()
+    if args.plot is not None:
+        from tandem.bench.plot import PlotUnavailable, require_matplotlib
+
+        try:
+            require_matplotlib()
+        except PlotUnavailable as e:
+            p.error(str(e))
     has_mtp = bool(json.loads((Path(args.model) / "config.json").read_text()).get("num_nextn_predict_layers"))
     configs: list[tuple[str, dict | None]] = [("no-spec", None)]
     if has_mtp:
@@ -71,20 +100,24 @@ def main() -> None:
     if Path(args.model) == DEFAULT_MODEL:
         configs.append(("dspark K=3", {"method": "dspark", "model": str(DEFAULT_DSPARK), "num_speculative_tokens": 3}))
     results = []
-    print(f"{'config':<12} {'batch':>5} {'tok/s':>9} {'vs no-spec':>10} {'accept len':>10} {'accept rate':>11}")
+    print(f"{'config':<12} {'batch':>5} {'tok/s':>9} {'vs no-spec':>10} {'accept len':>10} {'accept rate':>11}  "
+          "per position")
     for batch in args.batches:
         base = None
         for name, spec in configs:
             r = run(args.model, spec, batch, args.max_tokens, args) | {"config": name}
             base = base or r["tokens_per_s"]
             rate = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.3f}"
+            per_pos = " ".join(f"{x:.3f}" for x in r["acceptance_per_pos"]) or "-"
             print(f"{name:<12} {batch:>5} {r['tokens_per_s']:>9.1f} {r['tokens_per_s'] / base:>9.2f}x "
-                  f"{r['mean_acceptance_length']:>10.3f} {rate:>11}")
+                  f"{r['mean_acceptance_length']:>10.3f} {rate:>11}  {per_pos}")
             results.append(r)
     if not has_mtp:
         print("(MTP rows skipped: the checkpoint has no MTP layers)")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
+    if args.plot is not None:
+        print(f"plot: {plot_acceptance(results, Path(args.model).name, args)}")
 
 
 if __name__ == "__main__":

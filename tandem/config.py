@@ -128,7 +128,9 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str | None = None
-    num_speculative_tokens: int = 0
+    # K drafts per step, or "auto": a cost model picks K in 0..max_num_speculative_tokens each step
+    # (spec_decode/policy.py)
+    num_speculative_tokens: int | str = 0
     # dynamic K: ((max running requests, K), ...) ascending, e.g. ((8, 3), (16, 2), (32, 1)); more
     # running requests than the last bound -> no drafts
     num_speculative_tokens_per_batch_size: tuple[tuple[int, int], ...] = ()
@@ -138,20 +140,35 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
     adaptive_verification: bool = False  # accepted as a name only, and rejected: not implemented
+    # the largest K any step may use: given with "auto", derived from K or the schedule otherwise
+    max_num_speculative_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_num_speculative_tokens is None:
+            object.__setattr__(self, "max_num_speculative_tokens", self._derived_max_k())
+
+    def _derived_max_k(self) -> int:
+        k = self.num_speculative_tokens if isinstance(self.num_speculative_tokens, int) else 0
+        return max([k, *(k for _, k in self.num_speculative_tokens_per_batch_size)])
 
     @property
     def enabled(self) -> bool:
         return self.method is not None
 
     @property
-    def max_num_speculative_tokens(self) -> int:
-        return max([self.num_speculative_tokens, *(k for _, k in self.num_speculative_tokens_per_batch_size)])
+    def auto(self) -> bool:
+        """K is chosen each step by the cost model (spec_decode/policy.py)."""
+        return self.num_speculative_tokens == "auto"
 
     @property
     def num_lookahead_slots(self) -> int:
         """KV slots a sampling row reserves past its tokens: model drafters (MTP, DSpark) write their own KV at
         the next step's draft positions while proposing; n-gram writes nothing."""
-        return self.max_num_speculative_tokens if self.method in ("mtp", "dspark") else 0
+        return self.max_k if self.method in ("mtp", "dspark") else 0
+
+    @property
+    def max_k(self) -> int:
+        return self.max_num_speculative_tokens or 0
 
     @property
     def drops_last_prefix_hit_block(self) -> bool:
@@ -170,13 +187,37 @@ class SpeculativeConfig:
         return self.method == "ngram"
 
     def num_tokens_for_batch(self, num_running: int) -> int:
-        """K for a step with `num_running` running requests."""
+        """K for a step with `num_running` running requests (a fixed K or the schedule; not "auto")."""
         if not self.num_speculative_tokens_per_batch_size:
-            return self.num_speculative_tokens
+            return int(self.num_speculative_tokens)
         for bound, k in self.num_speculative_tokens_per_batch_size:
             if num_running <= bound:
                 return k
         return 0
+
+    def _validate_k(self) -> None:
+        k, schedule, max_k = self.num_speculative_tokens, self.num_speculative_tokens_per_batch_size, \
+            self.max_num_speculative_tokens
+        if isinstance(k, str) and k != "auto":
+            _fail("speculative_config.num_speculative_tokens", k, 'a positive integer or "auto"')
+        if self.auto:
+            if schedule:
+                _fail("speculative_config.num_speculative_tokens_per_batch_size", schedule,
+                      'empty with num_speculative_tokens "auto" (the cost model chooses K)')
+            if not isinstance(max_k, int) or isinstance(max_k, bool) or not 1 <= max_k <= 16:
+                _fail("speculative_config.max_num_speculative_tokens", max_k,
+                      'an integer from 1 to 16 with num_speculative_tokens "auto" (the largest K it may choose)')
+            return
+        if max_k != self._derived_max_k():
+            _fail("speculative_config.max_num_speculative_tokens", max_k,
+                  'only with num_speculative_tokens "auto"; a fixed K or a schedule sets its own maximum')
+        if k < 1 and not schedule:
+            _fail("speculative_config.num_speculative_tokens", k,
+                  'a positive integer or "auto" (or give num_speculative_tokens_per_batch_size)')
+        bounds = [b for b, _ in schedule]
+        if any(b < 1 or k < 0 for b, k in schedule) or bounds != sorted(set(bounds)):
+            _fail("speculative_config.num_speculative_tokens_per_batch_size", schedule,
+                  "pairs [max_running_requests, K] with strictly increasing bounds >= 1 and K >= 0")
 
     def validate(self, model: ModelConfig) -> None:
         if self.method is None:
@@ -186,14 +227,7 @@ class SpeculativeConfig:
             return
         if self.method not in SPEC_METHODS:
             _fail("speculative_config.method", self.method, f"one of {', '.join(SPEC_METHODS)}")
-        schedule = self.num_speculative_tokens_per_batch_size
-        if self.num_speculative_tokens < 1 and not schedule:
-            _fail("speculative_config.num_speculative_tokens", self.num_speculative_tokens,
-                  "a positive integer (or give num_speculative_tokens_per_batch_size)")
-        bounds = [b for b, _ in schedule]
-        if any(b < 1 or k < 0 for b, k in schedule) or bounds != sorted(set(bounds)):
-            _fail("speculative_config.num_speculative_tokens_per_batch_size", schedule,
-                  "pairs [max_running_requests, K] with strictly increasing bounds >= 1 and K >= 0")
+        self._validate_k()
         if self.draft_sample_method not in ("greedy", "probabilistic"):
             _fail("speculative_config.draft_sample_method", self.draft_sample_method, "greedy or probabilistic")
         if self.method == "mtp" and not model.get("num_nextn_predict_layers"):

@@ -19,8 +19,10 @@ from tandem.executor.torchrun import TorchrunExecutor, launched_by_torchrun
 from tandem.executor.uniproc import UniprocExecutor
 from tandem.outputs import CompletionOutput, RequestOutput
 from tandem.sampling_params import SamplingParams
+from tandem.spec_decode.calibration import calibrate
 from tandem.spec_decode.draft_mode import resolve_draft_mode
 from tandem.spec_decode.metrics import SpecDecodeStats
+from tandem.spec_decode.policy import SpecPolicy
 from tandem.tokenizer import Tokenizer
 
 logger = logging.getLogger("tandem")
@@ -46,8 +48,11 @@ class LLMEngine:
             logger.info("speculative decoding: %s, draft mode %s (%s)", self.spec.method, self.draft_mode.mode,
                         self.draft_mode.reason)
         self.spec_stats = SpecDecodeStats()
+        self.policy = SpecPolicy(self.spec.max_k) if self.spec.enabled and self.spec.auto else None
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, config.model_config, num_blocks,
-                                   self.spec)
+                                   self.spec, self.policy)
+        if self.policy is not None:  # seed its cost models; the next plan frees the synthetic rows on every rank
+            self.scheduler.release(calibrate(self.policy, self.executor.execute, config, num_blocks))
         self.requests: dict[str, Request] = {}
         self.parents: dict[str, ParentRequest] = {}  # parallel sampling (n > 1), by the parent's id
         self._child_of: dict[str, tuple[ParentRequest, int]] = {}  # child id -> (parent, choice index)
@@ -114,6 +119,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step; return the requests that finished in it."""
         self._maybe_log_stats()
+        start = time.perf_counter()
         plan = self.scheduler.schedule()
         if not plan.rows:
             return []
@@ -130,6 +136,8 @@ class LLMEngine:
                 done = self._gather(self.outputs.make_output(req))
                 if done is not None:
                     finished.append(done)
+        if self.policy is not None:
+            self.policy.record_step(plan, output, time.perf_counter() - start, output.draft_s)
         return finished
 
     def _gather(self, output: RequestOutput) -> RequestOutput | None:
@@ -197,6 +205,7 @@ class LLMEngine:
             Gauge("tandem:spec_decode_mean_acceptance_length", st.mean_acceptance_length),
             *([Gauge("tandem:spec_decode_dspark_mean_confidence", st.mean_confidence)]
               if "confidence_sum" in st.draft_stats else []),
+            *(self.policy.metrics() if self.policy is not None else []),
         ]
 
     def shutdown(self) -> None:

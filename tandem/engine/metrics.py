@@ -19,8 +19,12 @@ class Gauge:
 
 @dataclass(frozen=True)
 class Vector:
+    """One value per index (`label` names the index in /metrics); a counter or a gauge per value (`kind`)."""
+
     name: str
     values: list[float]
+    label: str = "position"
+    kind: str = "counter"
 
 
 Metric = Counter | Gauge | Vector

@@ -14,13 +14,15 @@ from tandem.config import CacheConfig, ModelConfig, SchedulerConfig, Speculative
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.step_plan import RowSampling, ScheduledRow, StepOutput, StepPlan
+from tandem.spec_decode.policy import RunningRow, SpecPolicy
 
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, model_config: ModelConfig,
-                 num_blocks: int, spec_config: SpeculativeConfig | None = None):
+                 num_blocks: int, spec_config: SpeculativeConfig | None = None, policy: SpecPolicy | None = None):
         self.config = scheduler_config
         self.spec = spec_config or SpeculativeConfig()
+        self.policy = policy  # num_speculative_tokens "auto": picks K each step
         self.lookahead = self.spec.num_lookahead_slots
         self.max_model_len = model_config.max_model_len
         self.block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
@@ -33,6 +35,10 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
+    def release(self, request_ids: list[str]) -> None:
+        """Ids the ranks hold state for without a Request here (start-up calibration): the next plan frees them."""
+        self._finished_ids += request_ids
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -40,7 +46,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         rows: list[ScheduledRow] = []
         scheduled: list[Request] = []
-        k = self.spec.num_tokens_for_batch(len(self.running)) if self.spec.enabled else 0
+        k = self._num_spec_tokens()
         for req in list(self.running):
             if req not in self.running:
                 continue  # preempted while making room for an earlier request
@@ -81,6 +87,12 @@ class Scheduler:
         self._scheduled = scheduled
         finished, self._finished_ids = self._finished_ids, []
         return StepPlan(rows=rows, num_spec_tokens=k, finished_request_ids=finished)
+
+    def _num_spec_tokens(self) -> int:
+        if self.policy is not None:
+            return self.policy.choose([RunningRow(r.request_id, r.num_tokens, r.num_tokens - r.num_computed_tokens)
+                                       for r in self.running])
+        return self.spec.num_tokens_for_batch(len(self.running)) if self.spec.enabled else 0
 
     def _drafts(self, req: Request, k: int, budget: int) -> list[int]:
         """The drafts a decode row verifies: at most K, the budget, and what max_tokens/max_model_len allow."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from tandem.attention.backend import select_target_backends
@@ -86,14 +88,18 @@ class ModelRunner:
         with forward_context(local.attn_metadata, self.backends, self.pcp.gather_kv):
             hidden = self.model(local.input_ids, local.positions)  # [T_r, H]
         step = TargetStep(plan, batch, local, self.pcp.mask_padding(hidden, batch), self.pcp)
+        start = time.perf_counter()
         self.proposer.observe(step)  # drafter context that every target token feeds (DSpark, MTP's inputs)
+        draft_s = time.perf_counter() - start
         prompt_logprobs = self._prompt_logprobs(step)
         emitted, logprobs = self._verify_or_sample(step)
+        start = time.perf_counter()
         proposal = self.proposer.propose(step, emitted, plan.num_spec_tokens)
+        draft_s += time.perf_counter() - start
         if proposal.draft_probs is not None:
             ids = [plan.rows[i].request_id for i in batch.sample_rows]
             self.draft_probs = dict(zip(ids, proposal.draft_probs, strict=True))
-        return StepOutput(emitted, logprobs, proposal.draft_token_ids, proposal.stats, prompt_logprobs)
+        return StepOutput(emitted, logprobs, proposal.draft_token_ids, proposal.stats, prompt_logprobs, draft_s)
 
     def _free(self, request_ids: list[str]) -> None:
         if request_ids:

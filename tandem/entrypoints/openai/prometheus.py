@@ -41,7 +41,8 @@ class _EngineCollector:
             elif isinstance(m, Gauge):
                 yield GaugeMetricFamily(m.name, m.name, value=m.value)
             elif isinstance(m, Vector):
-                family = CounterMetricFamily(m.name, m.name, labels=["position"])
+                kind = CounterMetricFamily if m.kind == "counter" else GaugeMetricFamily
+                family = kind(m.name, m.name, labels=[m.label])
                 for i, v in enumerate(m.values):
                     family.add_metric([str(i)], v)
                 yield family

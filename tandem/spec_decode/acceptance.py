@@ -1,0 +1,86 @@
+"""Online per-position rates of a drafter: per request, shrunk toward a running global estimate per position.
+
+A rate at position j is conditional: P(event at j | event at 1..j-1). Two are kept by the K policy (policy.py):
+`fill` (the drafter produced a j-th draft when asked for j; n-gram often produces fewer) and `accept` (the target
+accepted draft j after accepting 1..j-1). A verified row with d drafts of which a were accepted is a success at
+positions 1..a and a failure at a+1 (when a < d); positions past a+1 were not tried and say nothing.
+
+Estimate for request r at position j, with global successes/trials (s_j, n_j) decayed by `decay` per step and
+the request's own (s_rj, n_rj) by `request_decay` per observation:
+    g_j  = (s_j + prior_weight * g_{j-1}) / (n_j + prior_weight)          (g_0 = prior)
+    p_rj = (s_rj + shrink * g_j) / (n_rj + shrink)
+so a new request starts at the global estimate and moves to its own rate as its evidence outweighs `shrink`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class PositionRates:
+    max_positions: int
+    prior: float = 0.5
+    prior_weight: float = 2.0
+    shrink: float = 8.0
+    # evidence fades, so estimates follow text whose predictability drifts: the global counts per step, a
+    # request's own per observation of it
+    decay: float = 0.98
+    request_decay: float = 0.95
+    global_succ: np.ndarray = field(init=False)  # [max_positions]
+    global_trials: np.ndarray = field(init=False)  # [max_positions]
+    per_request: dict[str, np.ndarray] = field(init=False, default_factory=dict)  # id -> [2, max_positions]
+
+    def __post_init__(self) -> None:
+        self.global_succ = np.zeros(self.max_positions)
+        self.global_trials = np.zeros(self.max_positions)
+
+    def observe(self, request_id: str, num_tried: int, num_succeeded: int) -> None:
+        """Positions 1..num_succeeded succeeded; position num_succeeded + 1 failed when it was tried."""
+        num_tried = min(num_tried, self.max_positions)
+        if num_tried <= 0:
+            return
+        num_succeeded = min(num_succeeded, num_tried)
+        observed = min(num_succeeded + 1, num_tried)  # positions this row says something about
+        own = self.per_request.setdefault(request_id, np.zeros((2, self.max_positions)))
+        own *= self.request_decay
+        for counts in (own, (self.global_succ, self.global_trials)):
+            counts[0][:num_succeeded] += 1
+            counts[1][:observed] += 1
+
+    def end_step(self) -> None:
+        self.global_succ *= self.decay
+        self.global_trials *= self.decay
+
+    def global_estimate(self) -> np.ndarray:
+        """[max_positions] conditional rate per position over every request; each position's prior is the
+        estimate at the position before it, so a position rarely tried (K above the usual) starts where its
+        neighbour is rather than at an arbitrary constant, and trying it corrects it."""
+        out = np.empty(self.max_positions)
+        prior = self.prior
+        for j in range(self.max_positions):
+            w = self.prior_weight
+            prior = out[j] = (self.global_succ[j] + w * prior) / (self.global_trials[j] + w)
+        return out
+
+    def estimate(self, request_id: str) -> np.ndarray:
+        """[max_positions] conditional rate per position for one request."""
+        g = self.global_estimate()
+        own = self.per_request.get(request_id)
+        if own is None:
+            return g
+        return (own[0] + self.shrink * g) / (own[1] + self.shrink)
+
+    def free(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.per_request.pop(rid, None)
+
+
+def expected_lengths(accept: np.ndarray, fill: np.ndarray, k: int) -> tuple[float, float]:
+    """(expected emitted tokens, expected draft tokens) of one row asked for k drafts, from conditional rates
+    [>= k] per position: emitted = 1 + sum_j prod_{i<=j} fill_i accept_i, drafts = sum_j prod_{i<=j} fill_i."""
+    if k <= 0:
+        return 1.0, 0.0
+    return 1.0 + float(np.cumprod(fill[:k] * accept[:k]).sum()), float(np.cumprod(fill[:k]).sum())

@@ -1,0 +1,91 @@
+"""Seeds the "auto" K policy's cost models at start-up with a few synthetic steps through the real executor.
+
+Before the first request, the engine runs greedy steps on random prompts in free KV blocks (nothing is cached
+yet, so nothing can be hit later; the slots are overwritten by real requests): one prefill of every synthetic
+row, then decode steps verifying and proposing each K = K_max .. 0, with all rows and with one, twice. Each step's
+rank-0 wall time and drafter time train the cost models exactly as a served step does (acceptance of random
+prompts is not learned). Then the draft-prefill prediction of both PCP draft modes is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tandem.config import EngineConfig
+from tandem.engine.step_plan import RowSampling, ScheduledRow, StepOutput, StepPlan
+from tandem.spec_decode.cost_model import predict_draft_prefill_s
+from tandem.spec_decode.policy import SpecPolicy
+
+logger = logging.getLogger("tandem")
+GREEDY = RowSampling(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, num_logprobs=None)
+NUM_REPEATS = 2
+
+
+@dataclass
+class _Row:
+    request_id: str
+    block_ids: list[int]
+    tokens: list[int]  # prompt + emitted; all but the last are computed after the prefill
+    drafts: list[int] = field(default_factory=list)
+
+
+def calibrate(policy: SpecPolicy, execute: Callable[[StepPlan], StepOutput], config: EngineConfig,
+              num_blocks: int) -> list[str]:
+    """Run the synthetic steps; return their request ids, for the next real plan to free on every rank."""
+    k_max, block_size = policy.max_k, config.cache_config.block_size
+    max_len = config.model_config.max_model_len
+    num_rows = min(4, config.scheduler_config.max_num_seqs)
+    prompt_len = min(64, config.scheduler_config.max_num_batched_tokens // num_rows, max_len // 4)
+    # every decode step grows a row by at most K_max + 1 tokens; the drafter writes K_max slots past it
+    span = prompt_len + 2 * NUM_REPEATS * (k_max + 1) ** 2 + config.speculative_config.num_lookahead_slots + 1
+    blocks_per_row = -(-span // block_size)
+    num_rows = min(num_rows, num_blocks // blocks_per_row)
+    if num_rows < 1 or prompt_len < 2 or span > max_len:
+        logger.info('num_speculative_tokens "auto": no room to calibrate; the first steps sweep K instead')
+        return []
+    rng = random.Random(0)
+    vocab = int(config.model_config.get("vocab_size") or 2)
+    rows = [_Row(f"calibration-{i}", list(range(i * blocks_per_row, (i + 1) * blocks_per_row)),
+                 [rng.randrange(vocab) for _ in range(prompt_len)]) for i in range(num_rows)]
+    _run(policy, execute, rows, k_max, prefill=True)
+    for _ in range(NUM_REPEATS):
+        for subset in (rows, rows[:1]):
+            for k in range(k_max, -1, -1):
+                _run(policy, execute, subset, k, prefill=False)
+    _log_draft_prefill(policy, config)
+    return [r.request_id for r in rows]
+
+
+def _run(policy: SpecPolicy, execute: Callable[[StepPlan], StepOutput], rows: list[_Row], k: int,
+         prefill: bool) -> None:
+    scheduled = []
+    for r in rows:
+        if prefill:
+            scheduled.append(ScheduledRow(r.request_id, list(r.tokens), 0, r.block_ids, True, GREEDY))
+        else:
+            drafts = r.drafts[:k]
+            scheduled.append(ScheduledRow(r.request_id, [r.tokens[-1], *drafts], len(r.tokens) - 1, r.block_ids,
+                                          False, GREEDY, num_draft_tokens=len(drafts)))
+    plan = StepPlan(scheduled, num_spec_tokens=k)
+    start = time.perf_counter()
+    output = execute(plan)
+    policy.record_step(plan, output, time.perf_counter() - start, output.draft_s, learn_acceptance=False)
+    for s, r in enumerate(rows):
+        r.tokens += output.sampled_token_ids[s]
+        r.drafts = output.draft_token_ids[s] if output.draft_token_ids else []
+
+
+def _log_draft_prefill(policy: SpecPolicy, config: EngineConfig) -> None:
+    spec, pcp = config.speculative_config, config.parallel_config.prefill_context_parallel_size
+    if spec.method not in ("mtp", "dspark"):
+        return
+    policy.target.refit()
+    num_tokens = config.scheduler_config.max_num_batched_tokens
+    predicted = predict_draft_prefill_s(policy.target, int(config.model_config.get("num_hidden_layers") or 1),
+                                        num_tokens, pcp)
+    logger.info("draft prefill of a %d-token chunk at PCP=%d: sharded predicted %.1f ms vs replicated %.1f ms",
+                num_tokens, pcp, 1e3 * predicted["sharded"], 1e3 * predicted["replicated"])

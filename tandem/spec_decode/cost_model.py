@@ -1,0 +1,112 @@
+"""Step costs fitted online: seconds of a target pass and of the draft passes as linear functions of the step's
+shape, and the draft-prefill prediction for the two PCP draft modes from the same terms.
+
+Features of a step (all from the StepPlan, so the scheduler can evaluate a step it has not run):
+    target: 1, rows, tokens, tokens x context (attended keys: sum over rows of n_i * (start_i + (n_i + 1) / 2))
+    draft:  1, tokens, attended keys                   (MTP step 0 / DSpark context: every token of the step)
+            [k>0], S [k>0], C [k>0]                    (first draft: sampling / DSpark's block, S rows, C keys)
+            (k-1)+, S (k-1)+, C (k-1)+                 (MTP's one-token draft decodes)
+where S = sampling rows and C = their summed context. A drafter whose passes lack a term fits ~0 for it.
+
+The fit is least squares with exponential forgetting (old steps fade, so the model follows a machine whose load
+or a workload whose shape drifts), a small ridge toward zero (terms the data cannot separate stay small), and
+non-negative coefficients (a cost never falls as work grows). It is re-solved every `refresh_every` steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+TARGET_TERMS = ("base", "per_row", "per_token", "per_token_context")
+DRAFT_TERMS = ("base", "per_token", "per_token_context", "first", "first_per_row", "first_per_context",
+               "decode", "decode_per_row", "decode_per_context")
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a step costs depends on: its rows, tokens, attended keys, and its sampling rows' count and context."""
+
+    num_rows: int
+    num_tokens: int
+    num_keys: float
+    num_sampling_rows: int
+    sampling_context: int
+
+    def target_features(self) -> np.ndarray:
+        return np.array([1.0, self.num_rows, self.num_tokens, self.num_keys])
+
+    def draft_features(self, k: int) -> np.ndarray:
+        first, decodes = float(k > 0), float(max(k - 1, 0))
+        s, c = self.num_sampling_rows, self.sampling_context
+        return np.array([1.0, self.num_tokens, self.num_keys, first, s * first, c * first, decodes, s * decodes,
+                         c * decodes])
+
+
+def attended_keys(num_new_tokens: int, num_computed_tokens: int) -> float:
+    """Keys the n new tokens of a row attend to in total (causal): n * start + n (n + 1) / 2."""
+    return num_new_tokens * num_computed_tokens + num_new_tokens * (num_new_tokens + 1) / 2
+
+
+@dataclass
+class LinearCostModel:
+    terms: tuple[str, ...]
+    forgetting: float = 0.98
+    ridge: float = 1e-4
+    refresh_every: int = 8
+    num_observations: int = 0
+    gram: np.ndarray = field(init=False)  # [F, F] sum of w x x^T
+    moment: np.ndarray = field(init=False)  # [F] sum of w x y
+    coef: np.ndarray = field(init=False)  # [F] seconds per unit of each term
+
+    def __post_init__(self) -> None:
+        n = len(self.terms)
+        self.gram, self.moment, self.coef = np.zeros((n, n)), np.zeros(n), np.zeros(n)
+
+    def observe(self, features: np.ndarray, seconds: float) -> None:
+        self.gram = self.forgetting * self.gram + np.outer(features, features)
+        self.moment = self.forgetting * self.moment + features * seconds
+        self.num_observations += 1
+        if self.num_observations % self.refresh_every == 0:
+            self.refit()
+
+    def refit(self) -> None:
+        """Non-negative ridge least squares by an active set: solve on the free terms, drop the most negative."""
+        free = np.ones(len(self.terms), dtype=bool)
+        reg = self.ridge * (np.diag(self.gram) + 1e-12)
+        coef = np.zeros(len(self.terms))
+        while free.any():
+            a = self.gram[np.ix_(free, free)] + np.diag(reg[free])
+            sol = np.linalg.solve(a, self.moment[free])
+            if (sol >= 0).all():
+                coef[free] = sol
+                break
+            free[np.flatnonzero(free)[np.argmin(sol)]] = False
+        self.coef = coef
+
+    @property
+    def ready(self) -> bool:
+        return self.num_observations >= self.refresh_every
+
+    def predict(self, features: np.ndarray) -> float:
+        return float(features @ self.coef)
+
+    def named(self) -> dict[str, float]:
+        return dict(zip(self.terms, self.coef.tolist(), strict=True))
+
+
+def predict_draft_prefill_s(target: LinearCostModel, num_layers: int, num_tokens: int, pcp_size: int,
+                            num_computed_tokens: int = 0) -> dict[str, float]:
+    """Seconds of one drafter layer's prefill over a prompt chunk of `num_tokens` under PCP = P, in each draft mode,
+    from the fitted target terms (a draft layer costs about one target layer: the target's per-token and
+    per-token-context terms over its layers). The target is fitted on GLOBAL tokens of PCP-split steps, so its
+    terms already price a rank's 1/P share of the rows plus each layer's latent gather:
+        sharded:    per_layer(tokens, keys)            (local rows, the layer's latents gathered, like a target layer)
+        replicated: P * per_layer(tokens, keys)         (every rank runs every row; its hidden restore is priced as
+                                                          one layer's gather, already inside the sharded term)
+    At P = 1 both are the same pass."""
+    c = target.named()
+    keys = attended_keys(num_tokens, num_computed_tokens)
+    sharded = (c["per_token"] * num_tokens + c["per_token_context"] * keys) / max(num_layers, 1)
+    return {"sharded": sharded, "replicated": sharded * pcp_size}

@@ -1,0 +1,154 @@
+"""The "auto" K policy: before each step, the K in {0..K_max} that maximises expected emitted tokens per second.
+
+For a candidate K, the next step verifies each running request's drafts and proposes K new ones:
+    emitted(K) = sum_r 1 + sum_{j<=K} prod_{i<=j} fill_ri accept_ri        (acceptance.py, per request)
+    seconds(K) = target(shape(K)) + draft(shape(K), K)                      (cost_model.py, fitted online)
+where shape(K) holds the running requests' rows with 1 + E[drafts] tokens each at their contexts. K = 0 still
+runs what a drafter must do to keep its own KV current (MTP step 0, DSpark's context); the draft model prices it.
+
+Acceptance is observed only while drafting, so after `explore_after` steps at K = 0 the policy drafts at K = 1
+for two steps (one proposes, the next verifies) to refresh it; each exploration that does not switch drafting back
+on doubles the wait (up to `max_explore_after`), so a drafter that never pays costs two cheap steps in that many.
+A switch of K discards the pending drafts, so K changes only for a gain above `switch_margin`.
+Rank 0 only, no torch: the scheduler asks `choose`, the engine reports each step with `record_step`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tandem.engine.metrics import Counter, Gauge, Metric, Vector
+from tandem.engine.step_plan import StepOutput, StepPlan
+from tandem.spec_decode.acceptance import PositionRates, expected_lengths
+from tandem.spec_decode.cost_model import DRAFT_TERMS, TARGET_TERMS, LinearCostModel, StepShape, attended_keys
+
+
+@dataclass(frozen=True)
+class RunningRow:
+    """What the policy reads of a running request: its id, tokens so far and tokens still to compute."""
+
+    request_id: str
+    num_tokens: int
+    num_new_tokens: int  # 1 for a decode (plus drafts), more for an unfinished prompt
+
+
+class SpecPolicy:
+    def __init__(self, max_k: int, explore_after: int = 16, max_explore_after: int = 256, switch_margin: float = 0.01):
+        self.max_k, self.switch_margin = max_k, switch_margin
+        self.accept = PositionRates(max_k)
+        self.fill = PositionRates(max_k, prior=0.9)  # model drafters always fill; n-gram learns its own rate
+        self.target = LinearCostModel(TARGET_TERMS)
+        self.draft = LinearCostModel(DRAFT_TERMS)
+        self.base_explore_after, self.max_explore_after = explore_after, max_explore_after
+        self.explore_after = explore_after
+        self.steps_at_zero = 0
+        self.chosen = np.zeros(max_k + 1, dtype=np.int64)  # histogram of chosen K
+        self.predicted_emitted = 0.0  # summed over the steps it chose for
+        self.realised_emitted = 0
+        self._pending_prediction: float | None = None
+        self._explore_left = 0  # exploration steps still to run: one proposes, the next verifies
+        self._last_k = 0
+
+    # -- choosing ------------------------------------------------------------------------------------------------
+    def choose(self, running: list[RunningRow]) -> int:
+        if not running:
+            return 0
+        if not (self.target.ready and self.draft.ready):
+            k = self.max_k - int(self.chosen.sum()) % (self.max_k + 1)  # not seeded yet: sweep K to fit costs
+            return self._commit(k, self.expected(running, k)[0])
+        rates = {r.request_id: (self.accept.estimate(r.request_id), self.fill.estimate(r.request_id))
+                 for r in running}
+        scores = [self.expected(running, k, rates) for k in range(self.max_k + 1)]
+        rate = [e / max(s, 1e-9) for e, s in scores]
+        best = int(np.argmax(rate))
+        if rate[best] < (1 + self.switch_margin) * rate[self._last_k]:
+            best = self._last_k  # a switch discards the pending drafts: only a clear gain is worth it
+        if self._explore_left:
+            self._explore_left -= 1
+            best = max(best, 1)
+        elif best == 0:
+            self.steps_at_zero += 1
+            if self.steps_at_zero >= self.explore_after:  # acceptance is stale: draft two steps to refresh it
+                self.steps_at_zero, self._explore_left = 0, 1
+                self.explore_after = min(2 * self.explore_after, self.max_explore_after)
+                best = 1
+        else:
+            self.steps_at_zero, self.explore_after = 0, self.base_explore_after  # drafting pays
+        return self._commit(best, scores[best][0])
+
+    def expected(self, running: list[RunningRow], k: int,
+                 rates: dict[str, tuple[np.ndarray, np.ndarray]] | None = None) -> tuple[float, float]:
+        """(expected emitted tokens, predicted seconds) of the next step at K = k."""
+        emitted = num_tokens = 0.0
+        num_keys = 0.0
+        sampling, context = 0, 0
+        for r in running:
+            if r.num_new_tokens > 1:  # a prompt chunk: its cost does not depend on K
+                num_tokens += r.num_new_tokens
+                num_keys += attended_keys(r.num_new_tokens, r.num_tokens - r.num_new_tokens)
+                continue
+            accept, fill = rates[r.request_id] if rates else (self.accept.estimate(r.request_id),
+                                                              self.fill.estimate(r.request_id))
+            e, d = expected_lengths(accept, fill, k)
+            emitted += e
+            num_tokens += 1 + d
+            num_keys += (1 + d) * r.num_tokens
+            sampling += 1
+            context += r.num_tokens
+        shape = StepShape(len(running), round(num_tokens), num_keys, sampling, context)
+        seconds = self.target.predict(shape.target_features()) + self.draft.predict(shape.draft_features(k))
+        return emitted, seconds
+
+    def _commit(self, k: int, predicted: float) -> int:
+        self.chosen[k] += 1
+        self._last_k = k
+        self._pending_prediction = predicted
+        return k
+
+    # -- learning ------------------------------------------------------------------------------------------------
+    def record_step(self, plan: StepPlan, output: StepOutput, step_s: float, draft_s: float,
+                    learn_acceptance: bool = True) -> None:
+        """A step ran: `step_s` its whole wall time on rank 0, `draft_s` the drafter's share of it."""
+        shape = step_shape(plan)
+        self.target.observe(shape.target_features(), max(step_s - draft_s, 0.0))
+        self.draft.observe(shape.draft_features(plan.num_spec_tokens), draft_s)
+        sampling_rows = [row for row in plan.rows if row.sampling is not None]
+        if learn_acceptance:
+            for s, row in enumerate(sampling_rows):
+                num_emitted = len(output.sampled_token_ids[s])
+                self.realised_emitted += num_emitted
+                self.accept.observe(row.request_id, row.num_draft_tokens, num_emitted - 1)
+                proposed = len(output.draft_token_ids[s]) if output.draft_token_ids else 0
+                self.fill.observe(row.request_id, plan.num_spec_tokens, proposed)
+            self.accept.end_step()
+            self.fill.end_step()
+            if self._pending_prediction is not None:
+                self.predicted_emitted += self._pending_prediction
+        self._pending_prediction = None
+        self.free(plan.finished_request_ids)
+
+    def free(self, request_ids: list[str]) -> None:
+        self.accept.free(request_ids)
+        self.fill.free(request_ids)
+
+    # -- reporting -----------------------------------------------------------------------------------------------
+    def metrics(self) -> list[Metric]:
+        costs = [Gauge(f"tandem:spec_policy_target_cost_{name}_seconds", v) for name, v in self.target.named().items()]
+        costs += [Gauge(f"tandem:spec_policy_draft_cost_{name}_seconds", v) for name, v in self.draft.named().items()]
+        return [
+            Vector("tandem:spec_policy_chosen_k", self.chosen.tolist(), label="k"),
+            Counter("tandem:spec_policy_predicted_emitted_tokens", self.predicted_emitted),
+            Counter("tandem:spec_policy_realised_emitted_tokens", self.realised_emitted),
+            Vector("tandem:spec_policy_acceptance_per_pos", self.accept.global_estimate().tolist(), kind="gauge"),
+            *costs,
+        ]
+
+
+def step_shape(plan: StepPlan) -> StepShape:
+    rows = plan.rows
+    keys = sum(attended_keys(len(r.token_ids), r.num_computed_tokens) for r in rows)
+    sampling = [r for r in rows if r.sampling is not None]
+    context = sum(r.num_computed_tokens + len(r.token_ids) for r in sampling)
+    return StepShape(len(rows), plan.num_tokens, keys, len(sampling), context)

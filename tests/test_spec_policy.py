@@ -1,0 +1,231 @@
+"""The "auto" K policy (spec_decode/policy.py) on synthetic acceptance and cost streams: it converges to the K of
+the best expected tokens per second, switches to K = 0 when drafting stops paying and back when it pays again;
+its parts (per-position rates, the online cost fit) recover known values; "auto" is validated with clear errors."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from tandem.config import ConfigError, ModelConfig, SpeculativeConfig
+from tandem.engine.step_plan import RowSampling, ScheduledRow, StepOutput, StepPlan
+from tandem.spec_decode.acceptance import PositionRates, expected_lengths
+from tandem.spec_decode.cost_model import TARGET_TERMS, LinearCostModel, StepShape
+from tandem.spec_decode.policy import RunningRow, SpecPolicy
+
+GREEDY = RowSampling(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, num_logprobs=None)
+K_MAX = 4
+
+
+@dataclass
+class World:
+    """A synthetic engine: per-position acceptance `alpha`, target seconds base + per_token * tokens, draft seconds
+    draft_base + per_draft * K (per step), 5% multiplicative noise."""
+
+    alpha: float
+    base: float = 0.010
+    per_token: float = 0.001
+    draft_base: float = 0.0005
+    per_draft: float = 0.002
+
+    def seconds(self, num_tokens: int, k: int) -> tuple[float, float]:
+        return self.base + self.per_token * num_tokens, self.draft_base + self.per_draft * k
+
+    def rate(self, batch: int, k: int) -> float:
+        """Expected tokens per second at a fixed K: B sum_{j<=K} alpha^j / (target(B (1 + K)) + draft(K))."""
+        target, draft = self.seconds(batch * (1 + k), k)
+        return batch * sum(self.alpha ** j for j in range(k + 1)) / (target + draft)
+
+    def best_k(self, batch: int) -> int:
+        return max(range(K_MAX + 1), key=lambda k: self.rate(batch, k))
+
+
+class Simulation:
+    def __init__(self, policy: SpecPolicy, batch: int, seed: int = 0):
+        self.policy, self.batch, self.rng = policy, batch, random.Random(seed)
+        self.context = {f"r{i}": 100 for i in range(batch)}
+        self.pending = {rid: 0 for rid in self.context}  # drafts proposed for the next step
+        self.tokens = 0
+        self.seconds = 0.0
+
+    def run(self, world: World, num_steps: int) -> list[int]:
+        chosen = []
+        for _ in range(num_steps):
+            k = self.policy.choose([RunningRow(rid, n, 1) for rid, n in self.context.items()])
+            rows, emitted = [], []
+            for rid in self.context:
+                d = min(k, self.pending[rid])
+                accepted = 0
+                while accepted < d and self.rng.random() < world.alpha:
+                    accepted += 1
+                rows.append(ScheduledRow(rid, [0] * (1 + d), self.context[rid] - 1, [], False, GREEDY,
+                                         num_draft_tokens=d))
+                emitted.append([0] * (accepted + 1))
+                self.context[rid] += accepted + 1
+                self.pending[rid] = k
+            plan = StepPlan(rows, num_spec_tokens=k)
+            target, draft = world.seconds(plan.num_tokens, k)
+            noise = 1 + 0.05 * (2 * self.rng.random() - 1)
+            output = StepOutput(emitted, [None] * len(rows), [[0] * k for _ in rows], draft_s=draft * noise)
+            self.policy.record_step(plan, output, (target + draft) * noise, draft * noise)
+            self.tokens += sum(map(len, emitted))
+            self.seconds += target + draft
+            chosen.append(k)
+        return chosen
+
+
+def _mode(ks: list[int]) -> tuple[int, float]:
+    counts = np.bincount(ks, minlength=K_MAX + 1)
+    return int(counts.argmax()), float(counts.max() / len(ks))
+
+
+# worlds whose best K beats the next best by >= 3.5%, from K_MAX down to 0
+CLEAR = [(0.9, 1), (0.5, 4), (0.5, 16), (0.1, 1)]
+
+
+@pytest.mark.parametrize("alpha,batch", CLEAR)
+def test_converges_to_the_best_k(alpha, batch):
+    world = World(alpha)
+    best = world.best_k(batch)
+    chosen = Simulation(SpecPolicy(K_MAX), batch, seed=1).run(world, 300)
+    k, share = _mode(chosen[-100:])
+    assert k == best and share >= 0.85, f"alpha {alpha} batch {batch}: chose {k} ({share:.0%}), best is {best}"
+
+
+@pytest.mark.parametrize("alpha,batch", [(0.6, 1), (0.75, 4), (0.8, 16), (0.7, 1)])
+def test_where_the_optimum_is_flat_the_chosen_k_is_within_3_percent(alpha, batch):
+    world = World(alpha)
+    chosen = Simulation(SpecPolicy(K_MAX), batch, seed=1).run(world, 300)
+    k = _mode(chosen[-100:])[0]
+    best = world.best_k(batch)
+    assert world.rate(batch, k) >= 0.97 * world.rate(batch, best), f"chose K={k}, best K={best}"
+
+
+def test_the_clear_cases_cover_every_regime():
+    """The synthetic worlds really ask for different answers (else converging would prove little)."""
+    assert [World(a).best_k(b) for a, b in CLEAR] == [K_MAX, 1, 0, 0]
+    for a, b in CLEAR:
+        rates = sorted(World(a).rate(b, k) for k in range(K_MAX + 1))
+        assert rates[-1] >= 1.035 * rates[-2], (a, b)
+
+
+def test_switches_to_zero_when_drafting_stops_paying_and_recovers():
+    policy = SpecPolicy(K_MAX)
+    sim = Simulation(policy, batch=1, seed=2)
+    good, bad = World(0.9), World(0.02)
+    assert good.best_k(1) >= 2 and bad.best_k(1) == 0
+    first = sim.run(good, 200)
+    assert _mode(first[-50:])[0] == good.best_k(1)
+    second = sim.run(bad, 400)
+    assert _mode(second[-200:]) [0] == 0
+    # what exploration costs while drafting does not pay: a few K = 1 steps, at most 3% of the tokens per second
+    steps_drafting = sum(1 for k in second[-200:] if k)
+    assert steps_drafting <= 0.03 * 200, f"{steps_drafting} of 200 steps drafted while drafting loses"
+    third = sim.run(good, 600)
+    k, share = _mode(third[-100:])
+    assert k == good.best_k(1) and share >= 0.85, f"did not recover: chose {k} ({share:.0%}) after it paid again"
+
+
+def test_resumes_at_once_when_the_batch_shrinks():
+    """Costs, not acceptance, turn drafting off: at batch 64 verification tokens cost more than they save, at
+    batch 1 they pay. The fitted costs know both, so drafting comes back on the first steps at batch 1."""
+    world = World(0.7, base=0.002, per_token=0.002, per_draft=0.0005)
+    assert world.best_k(1) > 0 and world.best_k(64) == 0
+    policy = SpecPolicy(K_MAX)
+    Simulation(policy, batch=1, seed=3).run(world, 150)
+    big = Simulation(policy, batch=64, seed=4).run(world, 150)
+    assert _mode(big[-50:])[0] == 0
+    small = Simulation(policy, batch=1, seed=5).run(world, 10)
+    assert all(k > 0 for k in small[2:]), f"batch 1 again, but the policy chose {small}"
+
+
+def test_tokens_per_second_is_close_to_the_best_fixed_k():
+    """The aim of issue 15 on a synthetic stream: "auto" >= 0.97x the best of every fixed K (K = 0 included)."""
+    world = World(0.75)
+    rates = {}
+    for k in range(K_MAX + 1):
+        sim = Simulation(_FixedK(k), batch=4, seed=6)
+        sim.run(world, 400)
+        rates[k] = sim.tokens / sim.seconds
+    auto = Simulation(SpecPolicy(K_MAX), batch=4, seed=6)
+    auto.run(world, 400)
+    assert auto.tokens / auto.seconds >= 0.97 * max(rates.values()), f"auto {auto.tokens / auto.seconds:.1f} vs {rates}"
+
+
+class _FixedK(SpecPolicy):
+    def __init__(self, k: int):
+        super().__init__(K_MAX)
+        self.k = k
+
+    def choose(self, running: list[RunningRow]) -> int:
+        return self.k
+
+
+def test_position_rates_shrink_a_new_request_to_the_global_estimate():
+    rates = PositionRates(3, decay=1.0, request_decay=1.0)
+    for _ in range(200):
+        rates.observe("a", 3, 3)  # always accepted
+    for _ in range(200):
+        rates.observe("b", 3, 0)  # rejected at position 1; positions 2, 3 never tried
+    g = rates.global_estimate()
+    assert g[0] == pytest.approx(0.5, abs=0.01)  # half of the rows accepted draft 1
+    assert g[1] > 0.95  # position 2 was tried only by "a", which always accepted it
+    assert rates.estimate("a")[0] > 0.95 and rates.estimate("b")[0] < 0.05
+    assert rates.estimate("new") == pytest.approx(g)
+    rates.free(["a"])
+    assert rates.estimate("a") == pytest.approx(g)
+
+
+def test_expected_lengths_of_known_rates():
+    accept, fill = np.array([0.5, 0.5, 0.5]), np.array([1.0, 1.0, 0.5])
+    assert expected_lengths(accept, fill, 0) == (1.0, 0.0)
+    assert expected_lengths(accept, fill, 2) == pytest.approx((1 + 0.5 + 0.25, 2.0))
+    assert expected_lengths(accept, fill, 3) == pytest.approx((1 + 0.5 + 0.25 + 0.0625, 2.5))
+
+
+def test_cost_model_recovers_known_coefficients_and_stays_non_negative():
+    rng = np.random.default_rng(0)
+    truth = np.array([0.004, 0.0002, 0.00005, 2e-8])  # base, per row, per token, per token x context
+    model = LinearCostModel(TARGET_TERMS, forgetting=1.0)
+    for _ in range(200):
+        rows = int(rng.integers(1, 64))
+        tokens = rows * int(rng.integers(1, 5))
+        shape = StepShape(rows, tokens, tokens * float(rng.integers(10, 4000)), rows, 0)
+        seconds = float(shape.target_features() @ truth) * (1 + 0.01 * rng.standard_normal())
+        model.observe(shape.target_features(), seconds)
+    model.refit()
+    assert model.coef == pytest.approx(truth, rel=0.1), model.named()
+    # a term the data contradicts (cost falling with rows) is clipped at zero, not fitted negative
+    model = LinearCostModel(TARGET_TERMS, forgetting=1.0)
+    for rows in range(1, 40):
+        model.observe(StepShape(rows, 8, 800.0, rows, 0).target_features(), 0.01 - 0.0001 * rows)
+    model.refit()
+    assert (model.coef >= 0).all(), model.named()
+
+
+def _model() -> ModelConfig:
+    from types import SimpleNamespace
+
+    return ModelConfig("m", SimpleNamespace(num_nextn_predict_layers=1), "DeepseekV3ForCausalLM", None, 64)
+
+
+@pytest.mark.parametrize("spec,message", [
+    ({"num_speculative_tokens": "auto"}, "speculative_config.max_num_speculative_tokens=0 is not allowed"),
+    ({"num_speculative_tokens": "auto", "max_num_speculative_tokens": 99}, "an integer from 1 to 16"),
+    ({"num_speculative_tokens": "fast"}, "speculative_config.num_speculative_tokens='fast' is not allowed"),
+    ({"num_speculative_tokens": 2, "max_num_speculative_tokens": 4}, 'only with num_speculative_tokens "auto"'),
+    ({"num_speculative_tokens": "auto", "max_num_speculative_tokens": 3,
+      "num_speculative_tokens_per_batch_size": ((4, 2),)}, "num_speculative_tokens_per_batch_size"),
+])
+def test_invalid_auto_configs_name_the_field(spec, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        SpeculativeConfig(method="mtp", **spec).validate(_model())
+
+
+def test_auto_config_sizes_everything_by_its_maximum():
+    spec = SpeculativeConfig(method="mtp", num_speculative_tokens="auto", max_num_speculative_tokens=3)
+    spec.validate(_model())
+    assert spec.auto and spec.max_num_speculative_tokens == 3 and spec.num_lookahead_slots == 3

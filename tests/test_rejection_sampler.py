@@ -8,7 +8,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from tandem.engine.step_plan import RowSampling, ScheduledRow, StepOutput, StepPlan
 from tandem.layers.sampler import SamplingMetadata, keyed_uniform, processed_probs, sample
+from tandem.spec_decode.policy import RunningRow, SpecPolicy
 from tandem.spec_decode.reference_verify import verify_one
 from tandem.spec_decode.rejection_sampler import ACCEPT_STREAM, DRAFT_STREAM, rejection_sample
 
@@ -164,13 +166,17 @@ def _race(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, str
     return (probs / -torch.log(keyed_uniform(seeds, positions, probs.shape[-1], stream))).argmax(-1)
 
 
-@pytest.mark.parametrize("drafter,temperature,top_k", [
-    ("good", 1.0, 0), ("bad", 1.0, 0), ("disjoint", 1.0, 4), ("greedy_one_hot", 1.0, 0), ("bad", 0.7, 5),
+@pytest.mark.parametrize("drafter,temperature,top_k,k_policy", [
+    ("good", 1.0, 0, "fixed"), ("bad", 1.0, 0, "fixed"), ("disjoint", 1.0, 4, "fixed"),
+    ("greedy_one_hot", 1.0, 0, "fixed"), ("bad", 0.7, 5, "fixed"),
+    ("good", 1.0, 0, "auto"), ("bad", 0.7, 5, "auto"), ("greedy_one_hot", 1.0, 0, "auto"),
 ])
-def test_emitted_tokens_are_distributed_as_the_target(drafter, temperature, top_k):
+def test_emitted_tokens_are_distributed_as_the_target(drafter, temperature, top_k, k_policy):
     """First token ~ p0; the pair (first, second) ~ p0(y1) p1(y2 | y1), where the second comes from the same
-    step when draft 1 was accepted and otherwise from the next step (K = 0 at the following position)."""
-    first, second, p0, p1, num_accepted, num_single = _first_two_tokens(drafter, temperature, top_k, DRAFT_STREAM)
+    step when draft 1 was accepted and otherwise from the next step (K = 0 at the following position).
+    "auto": each step's K in {0, 1, 2} is picked by the cost-model policy from the steps before it."""
+    first, second, p0, p1, num_accepted, num_single = _first_two_tokens(drafter, temperature, top_k, DRAFT_STREAM,
+                                                                        k_policy)
     n = NUM_SAMPLES
     if drafter == "disjoint":
         assert num_accepted == 0, f"drafts outside the target's support were accepted {num_accepted} times"
@@ -189,9 +195,10 @@ def test_drafts_raced_on_the_verification_stream_break_losslessness():
     assert pvalue < 1e-6, f"shared keys unexpectedly looked lossless (p={pvalue:.2e}); has the keying changed?"
 
 
-def _first_two_tokens(drafter: str, temperature: float, top_k: int, draft_stream: int):
-    """Runs NUM_SAMPLES requests with K = 2 (varied seeds and positions) and returns the first two output tokens
-    [n], [n], the processed targets p0 [V] and p1 [V, V], the accepted draft count and the one-token steps."""
+def _first_two_tokens(drafter: str, temperature: float, top_k: int, draft_stream: int, k_policy: str = "fixed"):
+    """Runs NUM_SAMPLES requests with K = 2 (or K from the "auto" policy; varied seeds and positions) and returns
+    the first two output tokens [n], [n], the processed targets p0 [V] and p1 [V, V], the accepted draft count
+    and the one-token steps."""
     n = NUM_SAMPLES
     gen = torch.Generator().manual_seed(5)
     seeds = torch.randint(0, 2**40, (n,), generator=gen)
@@ -210,8 +217,11 @@ def _first_two_tokens(drafter: str, temperature: float, top_k: int, draft_stream
         x2 = _race(q1[x1], seeds, positions + 1, draft_stream)
         draft_probs = torch.stack([q0.expand(n, VOCAB), q1[x1]], dim=1).reshape(2 * n, VOCAB)  # [2n, V]
     target_logits = torch.stack([L0.expand(n, VOCAB), L1[x1], L1[x2]], dim=1).reshape(3 * n, VOCAB)  # [3n, V]
-    emitted, counts = rejection_sample(target_logits, torch.stack([x1, x2], 1).reshape(-1), draft_probs,
-                                       [2] * n, meta)
+    if k_policy == "auto":
+        emitted, counts = _verify_with_auto_k(target_logits, torch.stack([x1, x2], 1), draft_probs, meta)
+    else:
+        emitted, counts = rejection_sample(target_logits, torch.stack([x1, x2], 1).reshape(-1), draft_probs,
+                                           [2] * n, meta)
 
     first = torch.tensor([e[0] for e in emitted])
     need_next = torch.tensor([len(e) == 1 for e in emitted])
@@ -222,6 +232,37 @@ def _first_two_tokens(drafter: str, temperature: float, top_k: int, draft_stream
     follow_iter = iter(follow)
     second = torch.tensor([e[1] if len(e) > 1 else next(follow_iter)[0] for e in emitted])
     return first, second, p0, p1, sum(counts), m
+
+
+STEP_ROWS = 500
+_GREEDY = RowSampling(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, num_logprobs=None)
+
+
+def _verify_with_auto_k(target_logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor | None,
+                        meta: SamplingMetadata) -> tuple[list[list[int]], list[int]]:
+    """The n requests verified in steps of STEP_ROWS, each step at the K the policy picks from the acceptance of
+    the steps before it (as the engine picks K before a step runs), with a synthetic cost of each step.
+    target_logits [3n, V], drafts [n, 2], draft_probs [2n, V] or None."""
+    n = drafts.shape[0]
+    logits, q = target_logits.view(n, 3, VOCAB), None if draft_probs is None else draft_probs.view(n, 2, VOCAB)
+    policy = SpecPolicy(2, explore_after=2)
+    emitted, counts, ks = [], [], []
+    for start in range(0, n, STEP_ROWS):
+        idx = torch.arange(start, min(n, start + STEP_ROWS))
+        k = policy.choose([RunningRow("r", 100, 1)])
+        ks.append(k)
+        sub = _meta(meta.temperature[idx], meta.top_k[idx], meta.top_p[idx], meta.min_p[idx], meta.seeds[idx],
+                    meta.positions[idx])
+        out, c = rejection_sample(logits[idx, :k + 1].reshape(-1, VOCAB), drafts[idx, :k].reshape(-1),
+                                  None if q is None else q[idx, :k].reshape(-1, VOCAB), [k] * len(idx), sub)
+        rows = [ScheduledRow(f"r{i}", [0] * (k + 1), 100, [], False, _GREEDY, num_draft_tokens=k) for i in idx]
+        plan = StepPlan(rows, num_spec_tokens=k)
+        policy.record_step(plan, StepOutput(out, [None] * len(out), [[0] * k] * len(out)),
+                           0.01 + 1e-5 * plan.num_tokens + 0.002 * k, 0.002 * k)
+        emitted += out
+        counts += list(c)
+    assert len(set(ks)) >= 2, f"the policy never changed K ({ks}): the test would not cover a varying K"
+    return emitted, counts
 
 
 def _assert_matches(what: str, counts: np.ndarray, expected: np.ndarray) -> None:

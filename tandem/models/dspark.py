@@ -149,13 +149,17 @@ class DSparkAttention(nn.Module):
         (k,) = self.rotary_emb(positions, k)
         return k, self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
 
-    def write_context(self, features: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        # features: [T, hidden]; positions, slot_mapping: [T] (PAD_SLOT_ID rows write nothing)
+    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # features: [T, hidden]; positions: [T] -> [T, 2, Hkv, D] rotated k and v, already in the cache's dtype
+        # (what crosses PCP ranks under the sharded context write is exactly what the cache stores)
         k, v = self._kv(features, positions)
+        return torch.stack((k, v), dim=1).to(self.kv_cache.dtype)
+
+    def write_kv(self, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        # kv: [T, 2, Hkv, D]; slot_mapping: [T] (PAD_SLOT_ID rows write nothing)
         rows = (slot_mapping >= 0).nonzero().squeeze(1)
         cache = self.kv_cache.flatten(1, 2)  # [2, num_slots, Hkv, D]
-        cache[0, slot_mapping[rows]] = k[rows].to(cache.dtype)
-        cache[1, slot_mapping[rows]] = v[rows].to(cache.dtype)
+        cache[:, slot_mapping[rows]] = kv[rows].transpose(0, 1)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, prefix: ContextPrefix) -> torch.Tensor:
         # x: [S * B, hidden] block rows, row-major by request; positions: [S * B] -> [S * B, hidden]
@@ -214,12 +218,21 @@ class DSparkDrafter(nn.Module):
     def attention_layers(self) -> list[DSparkAttention]:
         return [layer.self_attn for layer in self.layers]
 
-    def write_context(self, aux_hidden: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def context_kv(self, aux_hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """aux_hidden: [T, len(target_layer_ids) * target_hidden] the target layers' outputs, concatenated in
-        target_layer_ids order -> every draft layer's context K/V written at slot_mapping."""
+        target_layer_ids order; positions: [T] -> [T, num_layers, 2, Hkv, D] every draft layer's context K/V.
+        Row-wise: a token's K/V depend on its own row and position only, so any subset of rows can be projected."""
         features = self.hidden_norm(self.fc(aux_hidden))  # [T, hidden]
-        for attn in self.attention_layers():
-            attn.write_context(features, positions, slot_mapping)
+        return torch.stack([attn.context_kv(features, positions) for attn in self.attention_layers()], dim=1)
+
+    def write_context_kv(self, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """kv: [T, num_layers, 2, Hkv, D] from context_kv -> each draft layer's cache at slot_mapping [T]."""
+        for i, attn in enumerate(self.attention_layers()):
+            attn.write_kv(kv[:, i], slot_mapping)
+
+    def write_context(self, aux_hidden: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """context_kv of every row, written at slot_mapping [T]."""
+        self.write_context_kv(self.context_kv(aux_hidden, positions), slot_mapping)
 
     def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor, prefix: ContextPrefix) -> torch.Tensor:
         # block_embeds: [S * B, hidden] target embeddings of the block tokens; positions: [S * B]

@@ -1,15 +1,16 @@
 """DSpark drafter: K draft tokens per sampling row from one block of the semi-autoregressive drafter (models/dspark.py).
 Scope: capture of the target's layer outputs, the drafter's context K/V every step, block proposal and Markov sampling.
 
-Every step, `write_context` turns the target's captured layer outputs (PCP-restored, global order) into each draft
-layer's context K/V for every target token of the step, prompt chunks and rejected drafts included (a rejected
-position is simply overwritten when it is recomputed). `propose` then runs one block per sampling row:
+Every step, `observe` turns the target's captured layer outputs into each draft layer's context K/V for every
+target token of the step, prompt chunks and rejected drafts included (a rejected position is simply overwritten
+when it is recomputed); under PCP each rank projects its own rows and all-gathers the K/V (dspark_context.py).
+`propose` then runs one block per sampling row:
 
     decode row [t9 d1 d2] at positions 9..11, the target accepted d1 and emitted x:
     P = 10 (d1, the last valid token), block = [x, noise, .., noise] at positions 11 .. 10+B,
     keys = context K/V 0..10 + the block's own; slot j is sampled at position P+2+j = 12+j.
 
-DSpark always runs replicated (DESIGN §5): every rank writes and reads the whole global batch.
+DSpark always runs replicated (DESIGN §5): every rank holds the whole context cache and proposes for every row.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 
 from tandem.models.dspark import ContextPrefix, DSparkDrafter
 from tandem.spec_decode.draft_sampling import pack_drafts, sample_draft
+from tandem.spec_decode.dspark_context import make_context_kv_writer
 from tandem.spec_decode.proposer import Proposal, TargetStep
 from tandem.worker.input_batch import InputBatch
 
@@ -33,6 +35,7 @@ class DSparkProposer:
         for i in set(self.layer_ids):
             target.model.layers[i].register_forward_hook(self._keeper(i))
         self.last_confidence = torch.empty(0)  # [S, K] confidence of each draft of the last proposal
+        self.context = make_context_kv_writer(drafter)
 
     def _keeper(self, layer_id: int) -> Callable[[nn.Module, object, torch.Tensor], None]:
         def keep(_module: nn.Module, _args: object, output: torch.Tensor) -> None:
@@ -62,27 +65,22 @@ class DSparkProposer:
     @torch.inference_mode()
     def observe(self, step: TargetStep) -> None:
         """DSpark's context K/V covers every target token, so it is written on every step, sampling or not."""
-        aux = step.pcp.maybe_restore(self.take_aux_hidden())  # [T_global, n_layers * hidden]
-        batch = step.batch
-        if batch.num_padding:
-            aux = aux.masked_fill(batch.is_padding[:, None], 0)
-        self.write_context(batch, aux)
-
-    def warmup(self, step: TargetStep, k: int) -> None:
-        self.write_context(step.batch, torch.zeros_like(self.take_aux_hidden()))
+        self.context.write(step, self.take_aux_hidden())
 
     @torch.inference_mode()
-    def write_context(self, batch: InputBatch, aux_hidden: torch.Tensor) -> None:
-        """aux_hidden: [T, len(target_layer_ids) * target_hidden], global order -> context K/V at the batch's slots."""
-        self.drafter.write_context(aux_hidden, batch.positions, batch.slot_mapping)
+    def warmup(self, step: TargetStep, k: int) -> None:
+        """Padding only, on the rank's own rows (no row writes, so nothing crosses ranks)."""
+        batch = step.batch
+        self.drafter.write_context(torch.zeros_like(self.take_aux_hidden()), batch.positions, batch.slot_mapping)
 
     @torch.inference_mode()
     def propose(self, step: TargetStep, emitted: list[list[int]], k: int) -> Proposal:
         """K drafts per sampling row (and for probabilistic drafting each row's draft distributions [K, V]) from
         the layer outputs written by observe(); the target's final states are not read."""
         batch = step.batch
+        stats = {"context_gather_bytes": float(self.context.take_gathered_bytes())}
         if k == 0 or not emitted:
-            return Proposal()
+            return Proposal(stats=stats)
         b = self.drafter.config.block_size
         last_pos = batch.positions[last_valid_indices(batch, emitted)]  # [S] P of each row
         anchors = torch.tensor([e[-1] for e in emitted], device=last_pos.device)  # [S] token at P + 1
@@ -101,7 +99,7 @@ class DSparkProposer:
             drafts.append(prev)
             probs.append(q)
         token_ids, q_rows = pack_drafts(drafts, probs, self.probabilistic)
-        stats = {"confidence_sum": float(self.last_confidence.sum()), "num_confidences": self.last_confidence.numel()}
+        stats |= {"confidence_sum": float(self.last_confidence.sum()), "num_confidences": self.last_confidence.numel()}
         return Proposal(token_ids, q_rows, stats)
 
 

@@ -59,6 +59,10 @@ class PCPHooks:
         """[T_r, H] local hidden states -> [T_global(+padding), H] in global order."""
         return hidden
 
+    def num_gathered_rows(self) -> int:
+        """Rows that one all-gather of this step's local rows (gather_kv, maybe_restore) hands every rank."""
+        return 0
+
     def maybe_restore_rows(self, hidden: torch.Tensor, rows: torch.Tensor | list[int]) -> torch.Tensor:
         """[T_r, H] local hidden states -> [len(rows), H], the given global rows only."""
         return hidden[rows]
@@ -103,6 +107,10 @@ class PartitionedPCPHooks(PCPHooks):
     def maybe_restore(self, hidden: torch.Tensor) -> torch.Tensor:
         assert self.part is not None
         return restore(self.pcp.all_gather(pad_local(hidden, self.part)), self.part)
+
+    def num_gathered_rows(self) -> int:
+        assert self.part is not None
+        return self.pcp.size * self.part.max_local_tokens
 
     def maybe_restore_rows(self, hidden: torch.Tensor, rows: torch.Tensor | list[int]) -> torch.Tensor:
         # the all-gather moves P * max-rows-per-rank rows instead of P * T_r (logits need one row per sampled

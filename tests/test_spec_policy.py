@@ -1,15 +1,22 @@
 """The "auto" K policy (spec_decode/policy.py) on synthetic acceptance and cost streams: it converges to the K of
 the best expected tokens per second, switches to K = 0 when drafting stops paying and back when it pays again;
-its parts (per-position rates, the online cost fit) recover known values; "auto" is validated with clear errors."""
+its parts (per-position rates, the online cost fit) recover known values; "auto" is validated with clear errors;
+greedy output with "auto" equals no speculation on every tiny architecture, PCP 1 and 2, both draft modes."""
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
+from checkpoints import ARCHS
+from dspark_checkpoint import build_dspark_drafter
+from engine_utils import random_prompts, record_steps
 
+from tandem import LLM, SamplingParams
 from tandem.config import ConfigError, ModelConfig, SpeculativeConfig
 from tandem.engine.step_plan import RowSampling, ScheduledRow, StepOutput, StepPlan
 from tandem.spec_decode.acceptance import PositionRates, expected_lengths
@@ -18,6 +25,7 @@ from tandem.spec_decode.policy import RunningRow, SpecPolicy
 
 GREEDY = RowSampling(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, num_logprobs=None)
 K_MAX = 4
+MTP_ARCHS = ("deepseek_v3", "glm4_moe", "glm4_moe_lite")
 
 
 @dataclass
@@ -229,3 +237,110 @@ def test_auto_config_sizes_everything_by_its_maximum():
     spec = SpeculativeConfig(method="mtp", num_speculative_tokens="auto", max_num_speculative_tokens=3)
     spec.validate(_model())
     assert spec.auto and spec.max_num_speculative_tokens == 3 and spec.num_lookahead_slots == 3
+
+
+# -- losslessness: greedy output with "auto" equals no speculation -------------------------------------------------
+ENGINE_LENGTHS = [4, 9, 17, 30, 45, 70]  # several exceed the 32-token budget, so PCP segments start mid-prompt
+ENGINE = {"dtype": "float32", "max_num_batched_tokens": 32}
+ENGINE_GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+AUTO = {"num_speculative_tokens": "auto", "max_num_speculative_tokens": 3}
+SHARDED_OR_REPLICATED = {"deepseek_v3": {"sharded": "PAGED_MLA", "replicated": "CONTIGUOUS_MLA"},
+                         "glm4_moe": {"sharded": "PAGED_SDPA", "replicated": "CONTIGUOUS_SDPA"}}
+# (arch, PCP size, drafter, draft mode): every tiny architecture at PCP 1, MTP in both draft modes at PCP 2,
+# DSpark (always replicated) at PCP 2
+LOSSLESS = [(arch, 1, "mtp" if arch in MTP_ARCHS else "ngram", None) for arch in ARCHS] + [
+    ("deepseek_v3", 2, "mtp", "sharded"), ("deepseek_v3", 2, "mtp", "replicated"),
+    ("glm4_moe", 2, "mtp", "sharded"), ("glm4_moe", 2, "mtp", "replicated"),
+    ("glm4_moe", 2, "dspark", "replicated"),
+]
+
+
+def _engine_prompts() -> list[list[int]]:
+    prompts = random_prompts(ENGINE_LENGTHS, vocab_size=500, seed=31)
+    prompts[2] = [7, 8, 9, 10] * 4 + [7]  # repetitive, so n-gram drafts get accepted now and then
+    return prompts
+
+
+def _engine_run(path: Path, **kwargs) -> tuple[list[list[int]], dict, str | None]:
+    llm = LLM(str(path), **ENGINE, **kwargs)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in _engine_prompts()], ENGINE_GREEDY, use_tqdm=False)
+        metrics = {m.name: getattr(m, "value", getattr(m, "values", None)) for m in llm.get_metrics()}
+        return [o.outputs[0].token_ids for o in outs], metrics, llm.draft_mode
+    finally:
+        llm.shutdown()
+
+
+@functools.lru_cache(maxsize=8)
+def _no_spec(path: Path) -> list[list[int]]:
+    return _engine_run(path)[0]
+
+
+class _Restless(SpecPolicy):
+    """The policy, exploring after 2 steps at K = 0 and overruled every third step by another K, so that on tiny
+    models (where one K may win throughout) every run still switches K: up, down and to 0."""
+
+    def __init__(self, max_k: int):
+        super().__init__(max_k, explore_after=2)
+        self.ks: list[int] = []
+
+    def choose(self, running: list[RunningRow]) -> int:
+        k = super().choose(running)
+        if len(self.ks) % 3 == 2:
+            k = (k + 2) % (self.max_k + 1)
+        self.ks.append(k)
+        return k
+
+
+@pytest.mark.parametrize("arch,pcp,method,mode", LOSSLESS)
+def test_auto_greedy_equals_no_speculation(tiny_checkpoints, tmp_path, monkeypatch, arch, pcp, method, mode):
+    """K changes between steps, drafts pending from a larger K are dropped, and K = 0 steps still keep MTP's and
+    DSpark's own KV current: none of it may change a token."""
+    policies: list[_Restless] = []
+    monkeypatch.setattr("tandem.engine.llm_engine.SpecPolicy", lambda k: policies.append(_Restless(k)) or policies[-1])
+    path = tiny_checkpoints(arch, num_mtp_layers=1 if method == "mtp" else 0)
+    spec: dict = {"method": method, **AUTO}
+    if method == "mtp" and mode is not None:
+        spec["attention_backend"] = SHARDED_OR_REPLICATED[arch][mode]
+    if method == "dspark":
+        bigrams = {}
+        for prompt, out in zip(_engine_prompts(), _no_spec(path), strict=True):
+            seq = prompt[-1:] + out
+            bigrams.update({a: b for a, b in zip(seq, seq[1:], strict=False) if a not in bigrams})
+        spec["model"] = str(build_dspark_drafter(path, tmp_path / "dspark", bigrams=bigrams, boost=20.0))
+    tokens, m, draft_mode = _engine_run(path, speculative_config=spec, prefill_context_parallel_size=pcp)
+    assert mode is None or draft_mode == mode
+    ks = policies[0].ks
+    assert m["tandem:spec_decode_num_drafts"] > 0 and 0 in ks and len(set(ks)) >= 3, f"K did not vary: {ks}"
+    for i, (got, want) in enumerate(zip(tokens, _no_spec(path), strict=True)):
+        assert got == want, f"{arch} PCP={pcp} {method} {mode}: prompt {i} differs from no speculation"
+
+
+def test_drafts_after_k0_steps_equal_plain_recomputation(tiny_checkpoints, monkeypatch):
+    """Greedy output cannot tell a stale drafter (it only lowers acceptance), so this checks the drafts: after steps
+    at K = 0 (MTP step 0 still run), every first draft equals MTP recomputed from scratch for its context."""
+    from test_spec_decode import _mtp_reference
+
+    policies: list[_Restless] = []
+    monkeypatch.setattr("tandem.engine.llm_engine.SpecPolicy", lambda k: policies.append(_Restless(k)) or policies[-1])
+    path = tiny_checkpoints("deepseek_v3", num_mtp_layers=1)
+    llm = LLM(str(path), **ENGINE, speculative_config={"method": "mtp", **AUTO})
+    steps = record_steps(llm, monkeypatch)
+    prompts = _engine_prompts()[:4]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], ENGINE_GREEDY, use_tqdm=False)
+    full = {o.request_id: o.prompt_token_ids + o.outputs[0].token_ids for o in outs}
+    emitted_so_far = dict.fromkeys(full, 0)
+    reference = _mtp_reference(path)
+    checked_after_zero, previous_k = 0, None
+    for plan, out in steps:
+        sampling_rows = [r for r in plan.rows if r.sampling is not None]
+        for s, (row, emitted) in enumerate(zip(sampling_rows, out.sampled_token_ids, strict=True)):
+            emitted_so_far[row.request_id] += len(emitted)
+            drafts = out.draft_token_ids[s] if out.draft_token_ids else []
+            if not drafts:
+                continue
+            context = full[row.request_id][: len(prompts[int(row.request_id)]) + emitted_so_far[row.request_id]]
+            assert drafts[0] == reference(context), f"request {row.request_id} after {len(context)} tokens"
+            checked_after_zero += previous_k == 0
+        previous_k = plan.num_spec_tokens
+    assert checked_after_zero >= 3, f"only {checked_after_zero} drafts right after a K = 0 step were checked"

@@ -14,13 +14,19 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
 @pytest.mark.parametrize("arch,kind", [("llama", "full_attention"), ("deepseek_v3", "mla_attention")])
-@pytest.mark.parametrize("budget,query_block", [(16, None), (256, None), (256, 8)])
-def test_every_backend_of_a_kind_gives_the_same_tokens(tiny_checkpoints, monkeypatch, arch, kind, budget,
-                                                       query_block):
-    """budget 16: every row is short (absorbed MLA); 256: whole prompts are long rows (expanded MLA on PAGED_MLA,
-    query blocks on the paged backends, whole rows on the contiguous ones); query_block 8 splits them further."""
-    if query_block is not None:
-        monkeypatch.setattr("tandem.attention.metadata.QUERY_BLOCK", query_block)
+@pytest.mark.parametrize("budget,reads", [(16, "gather"), (16, "in_place"), (256, "default"), (256, "absorbed")])
+def test_every_backend_of_a_kind_gives_the_same_tokens(tiny_checkpoints, monkeypatch, arch, kind, budget, reads):
+    """budget 16: every row is short (absorbed MLA); 256: whole prompts are long rows (prefix + causal diagonal
+    on the paged backends, expanded MLA by the cost formula, or absorbed when forced; whole padded rows on the
+    contiguous ones). Short rows read their keys by a padded gather or in place (cache views of every run of
+    two blocks or more)."""
+    if reads == "gather":
+        monkeypatch.setattr("tandem.attention.metadata.IN_PLACE_MIN_KEYS", 10**9)
+    if reads == "in_place":
+        monkeypatch.setattr("tandem.attention.metadata.IN_PLACE_MIN_KEYS", 0)
+        monkeypatch.setattr("tandem.attention.metadata.MIN_RUN_KEYS", 32)
+    if reads == "absorbed":
+        monkeypatch.setattr("tandem.attention.backends.paged_mla.prefers_expanded", lambda *a: False)
     path = str(tiny_checkpoints(arch))
     prompts = random_prompts([5, 19, 33, 47], vocab_size=500, seed=17)
     results = {}

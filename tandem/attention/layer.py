@@ -78,7 +78,8 @@ class MLAAttention(nn.Module):
                       kv_b_weight: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         w = kv_b_weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
-        up = MLAUpProjection(w_uk=w[:, : self.nope_dim], w_uv=w[:, self.nope_dim:])  # [H, nope, L], [H, v, L]
+        up = MLAUpProjection(w_uk=w[:, : self.nope_dim], w_uv=w[:, self.nope_dim:],  # [H, nope, L], [H, v, L]
+                             w_kv_b=kv_b_weight)
         entries = ctx.gather_kv(torch.cat((kv_c, k_pe), dim=-1))  # [T (or P * max_local under PCP), L + rope]
         out = ctx.backends[self.kind].forward_mla(q_nope, q_pe, entries, self.kv_cache, ctx.attn_metadata,
                                                   self.scale, up)  # [T, H, v]

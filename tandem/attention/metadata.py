@@ -12,14 +12,18 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 PAD_SLOT_ID = -1  # slot_mapping value meaning "write nothing"
-SHORT_ROW_TOKENS = 16  # rows up to this many query tokens share one padded attention call
-# A long row (a prompt chunk) is attended in blocks of this many queries, each against the keys up to its own
-# last position only: one SDPA over the whole row would compute the masked upper triangle too (about twice the
-# work of causal attention on CPU, where SDPA does not skip masked tiles).
-QUERY_BLOCK = 256
+SHORT_ROW_TOKENS = 16  # rows up to this many query tokens share one padded attention call (or read in place)
+# Short rows read their keys in place (views of contiguous slot runs) on the CPU once the longest of them sees
+# this many keys: below it, one padded gather and one batched matmul for all rows costs less than a few small
+# matmuls per row (measured: benchmarks/decode_attention.py).
+IN_PLACE_MIN_KEYS = 64
+# A contiguous run of fewer keys than this is gathered with the row's tail instead of read as its own view:
+# two small matmul calls cost about as much as copying this many keys.
+MIN_RUN_KEYS = 64
 
 
 @dataclass
@@ -46,6 +50,43 @@ class PrefixGroup:
         return self.dense and self.token_idx.numel() == num_tokens
 
 
+@dataclass(frozen=True)
+class LongRow:
+    """A row of more than SHORT_ROW_TOKENS queries (a prompt chunk, or a PCP piece of one), attended whole: its
+    queries are tokens [token_start, token_start + num_queries) at consecutive positions ending at
+    seq_len - 1, its keys the cache slots of positions [0, seq_len). The first prefix_len keys are seen by
+    every query, the last num_queries causally (tandem/attention/causal_rows.py)."""
+
+    token_start: int
+    num_queries: int
+    kv_slots: torch.Tensor  # [seq_len] int64
+
+    @property
+    def seq_len(self) -> int:
+        return self.kv_slots.shape[0]
+
+    @property
+    def prefix_len(self) -> int:
+        return self.seq_len - self.num_queries
+
+
+@dataclass(frozen=True)
+class RowKeys:
+    """A short row's keys read from the cache in place: `runs` are contiguous slot ranges (a request's blocks
+    allocated back to back) read as views, `tail_slots` the keys gathered: runs too short to pay for their own
+    matmuls, then the row's own num_queries tokens (always last, so the causal mask is a [Q, Q] triangle).
+    Every run key is seen by every query of the row; the order of keys does not matter to softmax."""
+
+    token_start: int
+    num_queries: int
+    runs: tuple[tuple[int, int], ...]  # (first slot, number of keys)
+    tail_slots: torch.Tensor  # [n_tail] int64
+
+    @property
+    def num_keys(self) -> int:
+        return sum(n for _, n in self.runs) + self.tail_slots.shape[0]
+
+
 @dataclass
 class AttentionMetadata:
     positions: torch.Tensor  # [num_tokens] int64
@@ -53,9 +94,11 @@ class AttentionMetadata:
     seq_lens_cpu: torch.Tensor  # [num_rows] int32, keys visible to each row after this step's write
     block_table: torch.Tensor  # [num_rows, max_num_blocks] int32
     block_size: int
-    groups: list[PrefixGroup]  # short rows together; long rows split into query blocks (QUERY_BLOCK)
+    groups: list[PrefixGroup]  # the short rows, padded together (empty when row_keys reads them in place)
     write_rows: torch.Tensor  # [num_writes] int64 rows of the (gathered) new K/V that are written
     write_slots: torch.Tensor  # [num_writes] int64 their cache slots (PAD_SLOT_ID rows are left out)
+    long_rows: list[LongRow] = dataclasses.field(default_factory=list)
+    row_keys: list[RowKeys] | None = None  # the short rows read in place (CPU), or None: `groups` gathers them
 
 
 def build_attention_metadata(positions: torch.Tensor, query_start_loc_cpu: torch.Tensor,
@@ -65,36 +108,70 @@ def build_attention_metadata(positions: torch.Tensor, query_start_loc_cpu: torch
     """`write_rows` index the K/V tensor the attention layer hands the backend: this step's own rows, or
     under PCP the all-gathered rows of every rank. `key_bound`: gather the short rows' keys up to this many
     positions (instead of their current seq_lens), so the same slots serve later decodes of the same rows."""
+    q_lens = (query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]).tolist()
+    seq_lens = seq_lens_cpu.tolist()
+    short = [i for i, n in enumerate(q_lens) if n <= SHORT_ROW_TOKENS]
+    table_np = block_table.numpy() if block_table.device.type == "cpu" else None
+    row_keys = None
+    if (short and table_np is not None and key_bound is None
+            and max(seq_lens[i] for i in short) >= IN_PLACE_MIN_KEYS):
+        row_keys = [_row_keys(int(query_start_loc_cpu[i]), q_lens[i], seq_lens[i], table_np[i], block_size)
+                    for i in short]
+    groups = [] if row_keys is not None or not short else [
+        _group([(i, 0, q_lens[i]) for i in short], positions, query_start_loc_cpu, seq_lens_cpu, block_table,
+               block_size, key_bound)]
+    long_rows = [LongRow(int(query_start_loc_cpu[i]), n, _row_slots(block_table, i, seq_lens[i], block_size,
+                                                                        table_np, positions.device))
+                 for i, n in enumerate(q_lens) if n > SHORT_ROW_TOKENS]
     return AttentionMetadata(
         positions=positions, query_start_loc_cpu=query_start_loc_cpu, seq_lens_cpu=seq_lens_cpu,
-        block_table=block_table, block_size=block_size,
-        groups=_plan_groups(positions, query_start_loc_cpu, seq_lens_cpu, block_table, block_size, QUERY_BLOCK,
-                            key_bound),
-        write_rows=write_rows, write_slots=write_slots)
+        block_table=block_table, block_size=block_size, groups=groups, write_rows=write_rows,
+        write_slots=write_slots, long_rows=long_rows, row_keys=row_keys)
+
+
+def _row_slots(block_table: torch.Tensor, row: int, seq_len: int, block_size: int, table_np: np.ndarray | None,
+               device: torch.device) -> torch.Tensor:
+    """[seq_len] int64 cache slots of positions 0..seq_len-1 of one row."""
+    num_blocks = -(-seq_len // block_size)
+    if table_np is not None:
+        blocks = table_np[row, :num_blocks].astype(np.int64)
+        return torch.from_numpy((blocks[:, None] * block_size + np.arange(block_size)).reshape(-1)[:seq_len])
+    blocks = block_table[row, :num_blocks].long()
+    return (blocks[:, None] * block_size + torch.arange(block_size, device=device)).flatten()[:seq_len]
+
+
+def _row_keys(token_start: int, num_queries: int, seq_len: int, blocks: np.ndarray, block_size: int) -> RowKeys:
+    # keys every query sees: positions [0, seq_len - num_queries); the row's own tokens go last, in the tail
+    shared = seq_len - num_queries
+    num_blocks = -(-shared // block_size)
+    ids = blocks[:num_blocks].astype(np.int64)
+    runs: list[tuple[int, int]] = []
+    gathered: list[np.ndarray] = []
+    if num_blocks:
+        breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+        for a, b in zip([0, *breaks.tolist()], [*breaks.tolist(), num_blocks], strict=True):
+            n = min(b * block_size, shared) - a * block_size
+            first = int(ids[a]) * block_size
+            if n >= MIN_RUN_KEYS:
+                runs.append((first, n))
+            else:
+                gathered.append(np.arange(first, first + n))
+    own = np.arange(shared, seq_len)
+    gathered.append(blocks[own // block_size].astype(np.int64) * block_size + own % block_size)
+    return RowKeys(token_start, num_queries, tuple(runs), torch.from_numpy(np.concatenate(gathered)))
 
 
 def row_groups(meta: AttentionMetadata) -> list[PrefixGroup]:
-    """Groups whose long rows are whole (not query-blocked), for backends that take a row's new keys from the
-    row itself and so need all of its new tokens in one call."""
-    return _plan_groups(meta.positions, meta.query_start_loc_cpu, meta.seq_lens_cpu, meta.block_table,
-                        meta.block_size, None)
-
-
-def _plan_groups(positions: torch.Tensor, qsl: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                 block_size: int, query_block: int | None, key_bound: int | None = None) -> list[PrefixGroup]:
-    # Short rows (decodes, and verification rows of K + 1 tokens) are batched together, padded to the
-    # longest of them; each longer row (a prompt chunk) gets its own groups, so a decode never pads up to
-    # a chunk's length and a batch of verifications costs one SDPA call per layer, not one per row.
-    # A piece is (row, first query offset in the row, number of queries).
+    """Every row padded into groups, long rows whole (one group each), for backends that take a row's new keys
+    from the row itself and so need all of its new tokens in one call. Short rows (decodes, and verification
+    rows of K + 1 tokens) are batched together, padded to the longest of them, so a decode never pads up to a
+    chunk's length. A piece is (row, first query offset in the row, number of queries)."""
+    qsl = meta.query_start_loc_cpu
     q_lens = (qsl[1:] - qsl[:-1]).tolist()
     short = [(i, 0, n) for i, n in enumerate(q_lens) if n <= SHORT_ROW_TOKENS]
-    groups = [_group(short, positions, qsl, seq_lens, block_table, block_size, key_bound)] if short else []
-    for i, n in enumerate(q_lens):
-        if n > SHORT_ROW_TOKENS:
-            step = query_block or n
-            groups += [_group([(i, j, min(step, n - j))], positions, qsl, seq_lens, block_table, block_size)
-                       for j in range(0, n, step)]
-    return groups
+    args = (meta.positions, qsl, meta.seq_lens_cpu, meta.block_table, meta.block_size)
+    groups = [_group(short, *args)] if short else []
+    return groups + [_group([(i, 0, n)], *args) for i, n in enumerate(q_lens) if n > SHORT_ROW_TOKENS]
 
 
 def _group(pieces: list[tuple[int, int, int]], positions: torch.Tensor, qsl: torch.Tensor, seq_lens: torch.Tensor,

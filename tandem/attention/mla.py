@@ -5,6 +5,16 @@ absorbed  (decodes): q_latent = q_nope W_UK; MQA of [q_latent | q_pe] over keys 
 expanded  (prompt chunks): k_nope = kv_c W_UK^T, v = kv_c W_UV^T per head, then plain MHA of
           [q_nope | q_pe] over [k_nope | k_pe]. Per score: nope + rope + v; per key: L (nope + v) H once.
 Both give the same result up to float rounding; expanded is cheaper once a group has many queries.
+
+A long row (Q queries at the end of S = p + Q keys, tandem/attention/causal_rows.py) is attended whichever
+way costs fewer multiply-adds per layer (`prefers_expanded`), counting the scores a causal row computes,
+Q p + Q^2 / 2 per head (the CPU flash kernel pads values to the key width, so both value widths below are
+the key width):
+
+    expanded  S H L (nope + v)       [expand every visible key once]  + scores H 2 (nope + rope)
+    absorbed  Q H L (nope + v)       [absorb queries, up-project out] + scores H 2 (L + rope)
+
+At DeepSeek-V3's head shapes (nope 128, rope 64, v 128, L 512) expanded wins from Q of about 170 up.
 """
 
 from __future__ import annotations
@@ -14,13 +24,19 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tandem.attention.metadata import PrefixGroup, gather_rows
+from tandem.attention.causal_rows import causal_row_attention
 
 
 @dataclass(frozen=True)
 class MLAUpProjection:
     w_uk: torch.Tensor  # [H, nope, L]
     w_uv: torch.Tensor  # [H, v, L]
+    w_kv_b: torch.Tensor | None = None  # [H * (nope + v), L] kv_b_proj's weight, whose halves w_uk and w_uv are
+
+    def kv_b(self) -> torch.Tensor:
+        if self.w_kv_b is not None:
+            return self.w_kv_b
+        return torch.cat((self.w_uk, self.w_uv), dim=1).flatten(0, 1)
 
 
 def absorb(q_nope: torch.Tensor, q_pe: torch.Tensor, up: MLAUpProjection) -> torch.Tensor:
@@ -35,12 +51,31 @@ def up_project(o_latent: torch.Tensor, up: MLAUpProjection) -> torch.Tensor:
     return torch.matmul(o_latent.transpose(0, 1), up.w_uv.transpose(1, 2)).transpose(0, 1)
 
 
-def expanded_group_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, entries: torch.Tensor, g: PrefixGroup,
-                             scale: float, up: MLAUpProjection) -> torch.Tensor:
-    """One prefix group in expanded form. entries: [num_slots, L + rope] latent cache -> [G, Q, H, v]."""
-    latent = gather_rows(entries, g.kv_slots).to(q_nope.dtype)  # [G, S, L + rope]
-    return expanded_attention(gather_rows(q_nope, g.token_idx), gather_rows(q_pe, g.token_idx), latent, g.mask,
-                              scale, up)
+def prefers_expanded(num_queries: int, seq_len: int, up: MLAUpProjection, rope: int) -> bool:
+    """The cost formula of the module docstring: True when expanding the row's keys costs fewer multiply-adds."""
+    heads, nope, lora = up.w_uk.shape
+    v = up.w_uv.shape[1]
+    scores = heads * (num_queries * (seq_len - num_queries) + num_queries * num_queries / 2)
+    expanded = seq_len * heads * lora * (nope + v) + scores * 2 * (nope + rope)
+    absorbed = num_queries * heads * lora * (nope + v) + scores * 2 * (lora + rope)
+    return expanded < absorbed
+
+
+def long_row_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, scale: float,
+                       up: MLAUpProjection, expanded: bool) -> torch.Tensor:
+    """One long row: q_nope [Q, H, nope], q_pe [Q, H, rope] at the last Q of latent's [S, L + rope] keys
+    -> [Q, H, v]. Each key is read (and, expanded, up-projected) once per layer."""
+    heads, nope, lora = up.w_uk.shape
+    if expanded:
+        kv = torch.matmul(latent[:, :lora], up.kv_b().t()).view(-1, heads, nope + up.w_uv.shape[1])  # one GEMM
+        k_pe = latent[:, None, lora:].expand(-1, heads, -1)
+        k = torch.cat((kv[..., :nope], k_pe), dim=-1).transpose(0, 1)  # [H, S, nope + rope]
+        q = torch.cat((q_nope, q_pe), dim=-1).transpose(0, 1)  # [H, Q, nope + rope]
+        return causal_row_attention(q, k, kv[..., nope:].transpose(0, 1), scale).transpose(0, 1)
+    q = absorb(q_nope, q_pe, up).transpose(0, 1).contiguous()  # [H, Q, L + rope]
+    lat = latent[None]  # [1, S, L + rope]: MQA; the values are the keys (their first L channels are kv_c)
+    o_latent = causal_row_attention(q, lat, lat, scale)[..., :lora]  # [H, Q, L]
+    return up_project(o_latent.transpose(0, 1), up)
 
 
 def expanded_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, mask: torch.Tensor,

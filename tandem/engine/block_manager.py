@@ -94,8 +94,11 @@ class BlockManager:
         need = self.blocks_needed(req, num_tokens)
         if need > len(self.free_ids):
             return False
-        for _ in range(need):
-            block = self.blocks[self.free_ids.popleft()]
+        # The popped ids are sorted: freed requests return their blocks tail first, so the queue holds them in
+        # descending runs, and ascending ids put a request's keys back to back in the pool, where attention
+        # reads them in place (tandem/attention/backends/prefix.py) instead of gathering them.
+        for block_id in sorted(self.free_ids.popleft() for _ in range(need)):
+            block = self.blocks[block_id]
             if block.hash is not None and self.hash_to_block.get(block.hash) == block.block_id:
                 del self.hash_to_block[block.hash]
             block.hash, block.token_ids, block.ref_count = None, (), 1

@@ -1,21 +1,20 @@
 """PAGED_MLA: multi-head latent attention over a paged latent cache
 [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim] holding kv_c (normed) then k_pe (rotated).
 
-The step's latents are written first, then every group reads its causal prefix back from the cache: short
-rows (decodes, verification rows) absorbed — MQA with one shared key [kv_c | k_pe] and value kv_c — and
-prompt-chunk query blocks expanded into per-head keys and values (tandem/attention/mla.py).
+The step's latents are written first, then every row reads its causal prefix back from the cache: short
+rows (decodes, verification rows) absorbed — MQA with one shared key [kv_c | k_pe] and value kv_c — and long
+rows (prompt chunks) expanded into per-head keys and values once per layer, or absorbed, whichever the cost
+formula in tandem/attention/mla.py says is cheaper for the row's shape.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 
 from tandem.attention.backend import AttentionBackend, register_backend
 from tandem.attention.backends.prefix import prefix_attention, write_kv
-from tandem.attention.metadata import SHORT_ROW_TOKENS, AttentionMetadata
-from tandem.attention.mla import MLAUpProjection, absorb, expanded_group_attention, up_project
+from tandem.attention.metadata import AttentionMetadata, gather_rows
+from tandem.attention.mla import MLAUpProjection, absorb, long_row_attention, prefers_expanded, up_project
 
 
 @register_backend
@@ -38,18 +37,21 @@ class PagedMLABackend(AttentionBackend):
         cache_flat = kv_cache.flatten(0, 1)  # [num_slots, L + R]
         write_kv(cache_flat, entries, meta)
         lora = up.w_uk.shape[-1]
+        lat = cache_flat.unsqueeze(1)  # [num_slots, 1, L + R]
+        if not meta.long_rows:  # decodes and verification rows only: every token absorbed
+            return up_project(prefix_attention(absorb(q_nope, q_pe, up), lat, None, meta, scale, value_dims=lora), up)
         out = q_nope.new_zeros(q_nope.shape[0], q_nope.shape[1], up.w_uv.shape[1])
-        short = [g for g in meta.groups if g.token_idx.shape[1] <= SHORT_ROW_TOKENS]
-        if short:
-            lat = cache_flat.unsqueeze(1)  # [num_slots, 1, L + R]
-            sub = meta if len(short) == len(meta.groups) else dataclasses.replace(meta, groups=short)
-            o_latent = prefix_attention(absorb(q_nope, q_pe, up), lat, None, sub, scale, value_dims=lora)  # [T, H, L]
-            if len(meta.groups) == 1 and short[0].covers_all(q_nope.shape[0]):  # a batch of decodes, in order
-                return up_project(o_latent, up)
-            rows = torch.cat([g.token_idx[g.token_valid] for g in short])
-            out[rows] = up_project(o_latent[rows], up)
-        for g in meta.groups:
-            if g.token_idx.shape[1] > SHORT_ROW_TOKENS:
-                out[g.token_idx[g.token_valid]] = expanded_group_attention(
-                    q_nope, q_pe, cache_flat, g, scale, up)[g.token_valid]
+        if meta.groups or meta.row_keys:  # short rows beside prompt chunks: absorb only the short rows' tokens
+            short = torch.ones(q_nope.shape[0], dtype=torch.bool, device=q_nope.device)
+            for lr in meta.long_rows:
+                short[lr.token_start: lr.token_start + lr.num_queries] = False
+            q_abs = q_nope.new_zeros(q_nope.shape[0], q_nope.shape[1], lora + q_pe.shape[-1])
+            q_abs[short] = absorb(q_nope[short], q_pe[short], up)
+            o_latent = prefix_attention(q_abs, lat, None, meta, scale, value_dims=lora, long_rows=False)
+            out[short] = up_project(o_latent[short], up)
+        for lr in meta.long_rows:
+            rows = slice(lr.token_start, lr.token_start + lr.num_queries)
+            latent = gather_rows(cache_flat, lr.kv_slots).to(q_nope.dtype)  # [S, L + R], read once per layer
+            out[rows] = long_row_attention(q_nope[rows], q_pe[rows], latent, scale, up,
+                                           prefers_expanded(lr.num_queries, lr.seq_len, up, q_pe.shape[-1]))
         return out

@@ -1,12 +1,21 @@
-"""The shared core of the paged backends: write this step's K/V, then attend over each row's
-causal prefix gathered from the cache (one padded SDPA call per prefix group)."""
+"""The shared core of the paged backends: write this step's K/V, then attend over each row's causal prefix
+read from the cache.
+
+Short rows (decodes, verification rows) on the CPU read their keys in place: a request's blocks are mostly
+allocated back to back, so its keys are a few contiguous slot runs, each a view of the cache that the score and
+value matmuls read directly (RowKeys). Copying every row's whole prefix out of the cache per layer per step
+(a padded gather, the fallback off the CPU and at short contexts) costs as much as the attention itself at a
+few thousand keys and several times more at 32k (benchmarks/decode_attention.py). Long rows gather their keys
+once per layer and attend them as prefix + causal diagonal (tandem/attention/causal_rows.py).
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from tandem.attention.metadata import AttentionMetadata, gather_rows
+from tandem.attention.causal_rows import causal_row_attention
+from tandem.attention.metadata import AttentionMetadata, RowKeys, gather_rows
 
 
 def write_kv(cache_flat: torch.Tensor, new: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -16,24 +25,62 @@ def write_kv(cache_flat: torch.Tensor, new: torch.Tensor, meta: AttentionMetadat
 
 
 def prefix_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor | None, meta: AttentionMetadata,
-                     scale: float, value_dims: int | None = None) -> torch.Tensor:
+                     scale: float, value_dims: int | None = None, long_rows: bool = True) -> torch.Tensor:
     """q: [T, Hq, Dk]; k_flat: [num_slots, Hkv, Dk]; v_flat: [num_slots, Hkv, Dv] -> [T, Hq, Dv].
     `value_dims` instead of v_flat: the values are the keys' first value_dims channels (MLA's latent cache),
-    so each group gathers its rows once, not twice (decode attention here is bound by that copy)."""
+    so a key is read once for both. `long_rows=False`: only the short rows (their output rows; others zero)."""
     dv = value_dims if v_flat is None else v_flat.shape[-1]
     assert dv is not None
     groups = meta.groups
-    out = None if len(groups) == 1 and groups[0].covers_all(q.shape[0]) else q.new_zeros(q.shape[0], q.shape[1], dv)
+    if len(groups) == 1 and groups[0].covers_all(q.shape[0]):  # one dense group: its output is the whole output
+        g = groups[0]
+        kg = gather_rows(k_flat, g.kv_slots).to(q.dtype)  # [G, S, Hkv, Dk]
+        vg = kg[..., :dv] if v_flat is None else gather_rows(v_flat, g.kv_slots).to(q.dtype)
+        return grouped_sdpa(q.view(*g.token_idx.shape, *q.shape[1:]), kg, vg, g.mask, scale, g.blocked).flatten(0, 1)
+    out = q.new_zeros(q.shape[0], q.shape[1], dv)
     for g in groups:
         kg = gather_rows(k_flat, g.kv_slots).to(q.dtype)  # [G, S, Hkv, Dk]
         vg = kg[..., :dv] if v_flat is None else gather_rows(v_flat, g.kv_slots).to(q.dtype)  # [G, S, Hkv, Dv]
-        qg = q.view(*g.token_idx.shape, *q.shape[1:]) if out is None else gather_rows(q, g.token_idx)
-        og = grouped_sdpa(qg, kg, vg, g.mask, scale, g.blocked)  # [G, Q, Hq, Dv]
-        if out is None:  # one dense group: its output is the whole output, in order
-            return og.flatten(0, 1)
+        og = grouped_sdpa(gather_rows(q, g.token_idx), kg, vg, g.mask, scale, g.blocked)  # [G, Q, Hq, Dv]
         out[g.token_idx[g.token_valid]] = og[g.token_valid]
-    assert out is not None
+    for row in meta.row_keys or ():
+        out[row.token_start: row.token_start + row.num_queries] = in_place_row_attention(
+            q[row.token_start: row.token_start + row.num_queries], k_flat, v_flat, row, scale, dv)
+    for lr in meta.long_rows if long_rows else ():
+        kg = gather_rows(k_flat, lr.kv_slots).to(q.dtype).transpose(0, 1)  # [Hkv, S, Dk]
+        vg = kg[..., :dv] if v_flat is None else gather_rows(v_flat, lr.kv_slots).to(q.dtype).transpose(0, 1)
+        rows = slice(lr.token_start, lr.token_start + lr.num_queries)
+        out[rows] = causal_row_attention(q[rows].transpose(0, 1), kg, vg, scale).transpose(0, 1)
     return out
+
+
+def in_place_row_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor | None, row: RowKeys,
+                           scale: float, dv: int) -> torch.Tensor:
+    """One short row: q [n, Hq, Dk] over its RowKeys -> [n, Hq, Dv]. The r query heads of a KV head are folded
+    into the query axis, as grouped_sdpa does; the run keys are matmul operands as they lie in the cache."""
+    n, hq, _ = q.shape
+    hkv = k_flat.shape[1]
+    r = hq // hkv
+    qf = q.view(n, hkv, r, -1).permute(1, 2, 0, 3).reshape(hkv, r * n, -1)  # [Hkv, r * n, Dk]
+    tail_k = k_flat.index_select(0, row.tail_slots)
+    keys = [k_flat[a: a + m] for a, m in row.runs] + [tail_k]  # each [s, Hkv, Dk]
+    if v_flat is None:
+        values = [k[..., :dv] for k in keys]
+    else:
+        values = [v_flat[a: a + m] for a, m in row.runs] + [v_flat.index_select(0, row.tail_slots)]
+    scores = torch.cat([torch.matmul(qf, k.to(q.dtype).permute(1, 2, 0)) for k in keys], dim=-1).mul_(scale)
+    if n > 1:  # the row's own n tokens are the last n keys: query i sees the first i + 1 of them
+        blocked = torch.ones(n, n, dtype=torch.bool, device=q.device).triu_(1)
+        scores.view(hkv, r, n, -1)[..., -n:].masked_fill_(blocked, float("-inf"))
+    probs = scores.softmax(-1)  # [Hkv, r * n, S]
+    out, off = None, 0
+    for v in values:
+        part = probs[..., off: off + v.shape[0]]
+        out = torch.matmul(part, v.to(q.dtype).transpose(0, 1)) if out is None else out.baddbmm_(
+            part, v.to(q.dtype).transpose(0, 1))
+        off += v.shape[0]
+    assert out is not None
+    return out.view(hkv, r, n, -1).permute(2, 0, 1, 3).reshape(n, hq, -1)
 
 
 def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,

@@ -1,0 +1,58 @@
+"""Long prompts: a ~4k-token prompt prefilled in chunks under PCP=2 gives the single-rank tokens and final
+log-probs (within 1e-4), for MLA (PAGED_MLA: expanded long rows, in-place absorbed decodes) and GQA
+(PAGED_SDPA); and at one rank every way of reading keys (prefix + causal diagonal, in-place short rows, the
+padded gather) agrees."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_utils import random_prompts
+
+from tandem import LLM, SamplingParams
+
+VOCAB = 512
+PROMPT_LENGTHS = [4000, 1500, 40]
+ENGINE = {"dtype": "float32", "max_num_batched_tokens": 1024, "max_model_len": 4200}
+OVERRIDES = {"max_position_embeddings": 4608}
+
+
+def _run(path: str, prompts: list[list[int]], **kwargs) -> tuple[list[list[int]], list[dict[int, float]]]:
+    llm = LLM(path, **ENGINE, **kwargs)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=VOCAB)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs[-1] for o in outs]
+
+
+def _assert_same(got: tuple, ref: tuple, what: str) -> None:
+    for i, (a, b) in enumerate(zip(got[0], ref[0], strict=True)):
+        assert a == b, f"{what}: prompt {i} gave {a}, reference {b}"
+    for i, (a, b) in enumerate(zip(got[1], ref[1], strict=True)):
+        ids = sorted(b)
+        diff = (torch.tensor([a[t] for t in ids]) - torch.tensor([b[t] for t in ids])).abs().max().item()
+        assert diff < 1e-4, f"{what}: prompt {i} final-position log-probs differ by {diff:.2e}"
+
+
+@pytest.fixture(scope="module", params=["deepseek_v3", "llama"])
+def long_reference(request, tiny_checkpoints):
+    path = str(tiny_checkpoints(request.param, overrides=OVERRIDES))
+    prompts = random_prompts(PROMPT_LENGTHS, vocab_size=500, seed=5)
+    return request.param, path, prompts, _run(path, prompts)
+
+
+def test_long_prompt_pcp2_chunked_matches_single_rank(long_reference):
+    arch, path, prompts, ref = long_reference
+    _assert_same(_run(path, prompts, prefill_context_parallel_size=2), ref, f"{arch} PCP=2")
+
+
+def test_long_prompt_key_reads_agree(long_reference, monkeypatch):
+    """The padded gather of every short row (the off-CPU path) and the absorbed form of MLA's long rows give the
+    tokens of the default in-place / cost-formula choice."""
+    arch, path, prompts, ref = long_reference
+    monkeypatch.setattr("tandem.attention.metadata.IN_PLACE_MIN_KEYS", 10**9)
+    if arch == "deepseek_v3":
+        monkeypatch.setattr("tandem.attention.backends.paged_mla.prefers_expanded", lambda *a: False)
+    _assert_same(_run(path, prompts), ref, f"{arch} gather + absorbed")

@@ -26,6 +26,7 @@ import torch
 from tandem.assets import DEFAULT_MODEL
 from tandem.bench.machine import machine_info
 from tandem.bench.prompts import random_token_ids
+from tandem.spec_decode.cost_model import fit_prefill_terms, predict_draft_prefill_s
 from tandem.worker.pcp import partition
 
 MTP = {"method": "mtp", "num_speculative_tokens": 1}
@@ -94,6 +95,8 @@ def main() -> None:
             rows[name] = {"ttft_s": wall, "draft_mode": mode,
                           "extra_gather_bytes": extra_bytes(config, args.prompt_len, args.max_num_batched_tokens,
                                                             args.pcp_size, name)}
+        half = args.prompt_len // 2  # a second target-only length: the target's per-token and per-token-context terms
+        half_s = ttft(model, ids[:half], args.pcp_size, args.max_num_batched_tokens, None, args.repeats)[0]
     base = rows["no drafter"]["ttft_s"]
     print(f"\n{'mode':>12}{'TTFT s':>9}{'draft prefill s':>17}{'extra bytes gathered':>22}")
     for name, r in rows.items():
@@ -101,6 +104,14 @@ def main() -> None:
         print(f"{name:>12}{r['ttft_s']:>9.2f}{r['draft_prefill_s']:>17.2f}{r['extra_gather_bytes']:>22,}")
     ratio = rows["sharded"]["draft_prefill_s"] / max(rows["replicated"]["draft_prefill_s"], 1e-9)
     print(f"\nsharded / replicated draft prefill = {ratio:.2f} (expect <= 0.6)")
+    terms = fit_prefill_terms([(half, half_s), (args.prompt_len, base)], args.max_num_batched_tokens)
+    predicted = predict_draft_prefill_s(terms, config["num_hidden_layers"], args.prompt_len, args.pcp_size,
+                                        args.max_num_batched_tokens)  # the "auto" policy's cost terms
+    for name in ("sharded", "replicated"):
+        rows[name]["predicted_draft_prefill_s"] = predicted[name]
+        measured = rows[name]["draft_prefill_s"]
+        print(f"{name:>12} draft prefill predicted {predicted[name]:.2f} s vs measured {measured:.2f} s "
+              f"({predicted[name] / max(measured, 1e-9):.2f}x)")
     if args.json:
         args.json.write_text(json.dumps({"machine": info, "args": vars(args) | {"json": str(args.json)},
                                          "rows": rows, "sharded_over_replicated": ratio}, indent=2))

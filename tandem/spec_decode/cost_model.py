@@ -96,17 +96,36 @@ class LinearCostModel:
         return dict(zip(self.terms, self.coef.tolist(), strict=True))
 
 
-def predict_draft_prefill_s(target: LinearCostModel, num_layers: int, num_tokens: int, pcp_size: int,
-                            num_computed_tokens: int = 0) -> dict[str, float]:
-    """Seconds of one drafter layer's prefill over a prompt chunk of `num_tokens` under PCP = P, in each draft mode,
-    from the fitted target terms (a draft layer costs about one target layer: the target's per-token and
-    per-token-context terms over its layers). The target is fitted on GLOBAL tokens of PCP-split steps, so its
+def prefill_features(prompt_len: int, chunk: int) -> np.ndarray:
+    """Target features of prefilling one prompt in chunks of at most `chunk` tokens, summed over its steps."""
+    steps = [StepShape(1, min(chunk, prompt_len - start), attended_keys(min(chunk, prompt_len - start), start), 0, 0)
+             for start in range(0, prompt_len, chunk)]
+    return sum((s.target_features() for s in steps), np.zeros(len(TARGET_TERMS)))
+
+
+def fit_prefill_terms(samples: list[tuple[int, float]], chunk: int) -> LinearCostModel:
+    """The target's per-token and per-token-context terms from measured prefills (prompt length, seconds) of at
+    least two lengths; the per-step terms are negligible against a long prefill and left out."""
+    model = LinearCostModel(TARGET_TERMS, forgetting=1.0, ridge=1e-9)
+    for prompt_len, seconds in samples:
+        features = prefill_features(prompt_len, chunk)
+        features[:2] = 0.0
+        model.observe(features, seconds)
+    model.refit()
+    return model
+
+
+def predict_draft_prefill_s(target: LinearCostModel, num_layers: int, prompt_len: int, pcp_size: int,
+                            chunk: int | None = None) -> dict[str, float]:
+    """Seconds of one drafter layer's prefill over a prompt (in chunks of `chunk` tokens) under PCP = P, in each
+    draft mode, from the fitted target terms (a draft layer costs about one target layer: the target's per-token
+    and per-token-context terms over its layers). The target is fitted on GLOBAL tokens of PCP-split steps, so its
     terms already price a rank's 1/P share of the rows plus each layer's latent gather:
         sharded:    per_layer(tokens, keys)            (local rows, the layer's latents gathered, like a target layer)
         replicated: P * per_layer(tokens, keys)         (every rank runs every row; its hidden restore is priced as
                                                           one layer's gather, already inside the sharded term)
     At P = 1 both are the same pass."""
     c = target.named()
-    keys = attended_keys(num_tokens, num_computed_tokens)
-    sharded = (c["per_token"] * num_tokens + c["per_token_context"] * keys) / max(num_layers, 1)
+    features = prefill_features(prompt_len, chunk or prompt_len)
+    sharded = float(c["per_token"] * features[2] + c["per_token_context"] * features[3]) / max(num_layers, 1)
     return {"sharded": sharded, "replicated": sharded * pcp_size}

@@ -51,23 +51,32 @@ class PrefixGroup:
 
 
 @dataclass(frozen=True)
-class LongRow:
-    """A row of more than SHORT_ROW_TOKENS queries (a prompt chunk, or a PCP piece of one), attended whole: its
-    queries are tokens [token_start, token_start + num_queries) at consecutive positions ending at
-    seq_len - 1, its keys the cache slots of positions [0, seq_len). The first prefix_len keys are seen by
-    every query, the last num_queries causally (tandem/attention/causal_rows.py)."""
+class LongPiece:
+    """A row of more than SHORT_ROW_TOKENS queries (a prompt chunk, or a PCP piece of one): tokens
+    [token_start, token_start + num_queries) at consecutive positions ending at seq_len - 1."""
 
     token_start: int
     num_queries: int
-    kv_slots: torch.Tensor  # [seq_len] int64
+    seq_len: int
+
+
+@dataclass(frozen=True)
+class LongRow:
+    """The long pieces of one request on this rank, attended whole over its keys: piece i sees the cache slots
+    kv_slots[:seq_len_i], its first seq_len_i - num_queries_i keys unmasked, its last num_queries_i causally
+    (tandem/attention/causal_rows.py). Under PCP a rank holds two pieces of each chunk (DualChunkSwap), whose
+    key sets are prefixes of one another: grouping them gathers (and MLA expands) each key once per layer."""
+
+    pieces: tuple[LongPiece, ...]
+    kv_slots: torch.Tensor  # [max seq_len] int64
 
     @property
     def seq_len(self) -> int:
         return self.kv_slots.shape[0]
 
     @property
-    def prefix_len(self) -> int:
-        return self.seq_len - self.num_queries
+    def num_queries(self) -> int:
+        return sum(p.num_queries for p in self.pieces)
 
 
 @dataclass(frozen=True)
@@ -120,13 +129,33 @@ def build_attention_metadata(positions: torch.Tensor, query_start_loc_cpu: torch
     groups = [] if row_keys is not None or not short else [
         _group([(i, 0, q_lens[i]) for i in short], positions, query_start_loc_cpu, seq_lens_cpu, block_table,
                block_size, key_bound)]
-    long_rows = [LongRow(int(query_start_loc_cpu[i]), n, _row_slots(block_table, i, seq_lens[i], block_size,
-                                                                        table_np, positions.device))
-                 for i, n in enumerate(q_lens) if n > SHORT_ROW_TOKENS]
+    long_rows = _long_rows([i for i, n in enumerate(q_lens) if n > SHORT_ROW_TOKENS], query_start_loc_cpu, q_lens,
+                           seq_lens, block_table, table_np, block_size, positions.device)
     return AttentionMetadata(
         positions=positions, query_start_loc_cpu=query_start_loc_cpu, seq_lens_cpu=seq_lens_cpu,
         block_table=block_table, block_size=block_size, groups=groups, write_rows=write_rows,
         write_slots=write_slots, long_rows=long_rows, row_keys=row_keys)
+
+
+def _long_rows(rows: list[int], qsl: torch.Tensor, q_lens: list[int], seq_lens: list[int], block_table: torch.Tensor,
+               table_np: np.ndarray | None, block_size: int, device: torch.device) -> list[LongRow]:
+    """Long rows grouped by shared keys: a row joins a group when their block tables agree over the shorter
+    one's blocks (the same request's pieces; requests sharing only a cached prefix still diverge later)."""
+    table = table_np if table_np is not None else block_table.cpu().numpy()
+    groups: list[tuple[int, list[LongPiece]]] = []  # (row whose keys reach furthest, pieces)
+    for i in rows:
+        piece = LongPiece(int(qsl[i]), q_lens[i], seq_lens[i])
+        for g, (rep, pieces) in enumerate(groups):
+            nb = -(-min(seq_lens[i], seq_lens[rep]) // block_size)
+            if np.array_equal(table[i, :nb], table[rep, :nb]):
+                pieces.append(piece)
+                if seq_lens[i] > seq_lens[rep]:
+                    groups[g] = (i, pieces)
+                break
+        else:
+            groups.append((i, [piece]))
+    return [LongRow(tuple(pieces), _row_slots(block_table, rep, seq_lens[rep], block_size, table_np, device))
+            for rep, pieces in groups]
 
 
 def _row_slots(block_table: torch.Tensor, row: int, seq_len: int, block_size: int, table_np: np.ndarray | None,

@@ -19,12 +19,14 @@ At DeepSeek-V3's head shapes (nope 128, rope 64, v 128, L 512) expanded wins fro
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from tandem.attention.causal_rows import causal_row_attention
+from tandem.attention.metadata import LongPiece
 
 
 @dataclass(frozen=True)
@@ -61,21 +63,29 @@ def prefers_expanded(num_queries: int, seq_len: int, up: MLAUpProjection, rope: 
     return expanded < absorbed
 
 
-def long_row_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, scale: float,
-                       up: MLAUpProjection, expanded: bool) -> torch.Tensor:
-    """One long row: q_nope [Q, H, nope], q_pe [Q, H, rope] at the last Q of latent's [S, L + rope] keys
-    -> [Q, H, v]. Each key is read (and, expanded, up-projected) once per layer."""
+def long_row_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, pieces: Sequence[LongPiece],
+                       scale: float, up: MLAUpProjection, expanded: bool, out: torch.Tensor) -> None:
+    """One request's long pieces: q_nope [T, H, nope], q_pe [T, H, rope] (the step's tokens), latent [S, L + rope]
+    its keys; writes out[piece's tokens] = [Q, H, v]. Each key is read (and, expanded, up-projected) once per
+    layer, however many pieces see it."""
     heads, nope, lora = up.w_uk.shape
     if expanded:
         kv = torch.matmul(latent[:, :lora], up.kv_b().t()).view(-1, heads, nope + up.w_uv.shape[1])  # one GEMM
         k_pe = latent[:, None, lora:].expand(-1, heads, -1)
         k = torch.cat((kv[..., :nope], k_pe), dim=-1).transpose(0, 1)  # [H, S, nope + rope]
-        q = torch.cat((q_nope, q_pe), dim=-1).transpose(0, 1)  # [H, Q, nope + rope]
-        return causal_row_attention(q, k, kv[..., nope:].transpose(0, 1), scale).transpose(0, 1)
-    q = absorb(q_nope, q_pe, up).transpose(0, 1).contiguous()  # [H, Q, L + rope]
+        v = kv[..., nope:].transpose(0, 1)  # [H, S, v]
+        for p in pieces:
+            rows = slice(p.token_start, p.token_start + p.num_queries)
+            q = torch.cat((q_nope[rows], q_pe[rows]), dim=-1).transpose(0, 1)  # [H, Q, nope + rope]
+            out[rows] = causal_row_attention(q, k[:, : p.seq_len], v[:, : p.seq_len], scale).transpose(0, 1)
+        return
     lat = latent[None]  # [1, S, L + rope]: MQA; the values are the keys (their first L channels are kv_c)
-    o_latent = causal_row_attention(q, lat, lat, scale)[..., :lora]  # [H, Q, L]
-    return up_project(o_latent.transpose(0, 1), up)
+    for p in pieces:
+        rows = slice(p.token_start, p.token_start + p.num_queries)
+        q = absorb(q_nope[rows], q_pe[rows], up).transpose(0, 1).contiguous()  # [H, Q, L + rope]
+        keys = lat[:, : p.seq_len]
+        o_latent = causal_row_attention(q, keys, keys, scale)[..., :lora]  # [H, Q, L]
+        out[rows] = up_project(o_latent.transpose(0, 1), up)
 
 
 def expanded_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, mask: torch.Tensor,

@@ -43,15 +43,14 @@ class PagedMLABackend(AttentionBackend):
         out = q_nope.new_zeros(q_nope.shape[0], q_nope.shape[1], up.w_uv.shape[1])
         if meta.groups or meta.row_keys:  # short rows beside prompt chunks: absorb only the short rows' tokens
             short = torch.ones(q_nope.shape[0], dtype=torch.bool, device=q_nope.device)
-            for lr in meta.long_rows:
-                short[lr.token_start: lr.token_start + lr.num_queries] = False
+            for piece in (p for lr in meta.long_rows for p in lr.pieces):
+                short[piece.token_start: piece.token_start + piece.num_queries] = False
             q_abs = q_nope.new_zeros(q_nope.shape[0], q_nope.shape[1], lora + q_pe.shape[-1])
             q_abs[short] = absorb(q_nope[short], q_pe[short], up)
             o_latent = prefix_attention(q_abs, lat, None, meta, scale, value_dims=lora, long_rows=False)
             out[short] = up_project(o_latent[short], up)
         for lr in meta.long_rows:
-            rows = slice(lr.token_start, lr.token_start + lr.num_queries)
             latent = gather_rows(cache_flat, lr.kv_slots).to(q_nope.dtype)  # [S, L + R], read once per layer
-            out[rows] = long_row_attention(q_nope[rows], q_pe[rows], latent, scale, up,
-                                           prefers_expanded(lr.num_queries, lr.seq_len, up, q_pe.shape[-1]))
+            long_row_attention(q_nope, q_pe, latent, lr.pieces, scale, up,
+                               prefers_expanded(lr.num_queries, lr.seq_len, up, q_pe.shape[-1]), out)
         return out

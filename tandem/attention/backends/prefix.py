@@ -47,10 +47,12 @@ def prefix_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor
         out[row.token_start: row.token_start + row.num_queries] = in_place_row_attention(
             q[row.token_start: row.token_start + row.num_queries], k_flat, v_flat, row, scale, dv)
     for lr in meta.long_rows if long_rows else ():
-        kg = gather_rows(k_flat, lr.kv_slots).to(q.dtype).transpose(0, 1)  # [Hkv, S, Dk]
+        kg = gather_rows(k_flat, lr.kv_slots).to(q.dtype).transpose(0, 1)  # [Hkv, S, Dk], once for all pieces
         vg = kg[..., :dv] if v_flat is None else gather_rows(v_flat, lr.kv_slots).to(q.dtype).transpose(0, 1)
-        rows = slice(lr.token_start, lr.token_start + lr.num_queries)
-        out[rows] = causal_row_attention(q[rows].transpose(0, 1), kg, vg, scale).transpose(0, 1)
+        for p in lr.pieces:
+            rows = slice(p.token_start, p.token_start + p.num_queries)
+            out[rows] = causal_row_attention(q[rows].transpose(0, 1), kg[:, : p.seq_len], vg[:, : p.seq_len],
+                                             scale).transpose(0, 1)
     return out
 
 

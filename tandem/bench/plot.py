@@ -7,6 +7,7 @@ matplotlib is the optional `plot` extra, imported only when a plot is asked for,
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,13 +62,19 @@ def machine_caption(info: Mapping[str, Any], model: str) -> str:
             f" | {info.get('date', '')}")
 
 
+def _minor_log_label(value: float, _pos: int) -> str:
+    """Labels the 2, 3 and 5 between decades, leaving the others blank so they do not crowd."""
+    mantissa = value / 10 ** math.floor(math.log10(value)) if value > 0 else 0
+    return f"{value:g}" if round(mantissa) in (2, 3, 5) else ""
+
+
 def plot_lines(path: str | Path, panels: Sequence[Panel], *, title: str, x_label: str, subtitle: str = "",
                log2_x: bool = False) -> Path:
     """Writes the panels side by side, sharing `x_label`, as one PNG at `path`; returns the path."""
     require_matplotlib()
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.ticker import NullLocator
+    from matplotlib.ticker import FuncFormatter, NullLocator
 
     if not panels:
         raise ValueError("plot_lines needs at least one panel")
@@ -87,8 +94,10 @@ def plot_lines(path: str | Path, panels: Sequence[Panel], *, title: str, x_label
             ax.axhline(value, linestyle="--", color="grey", linewidth=1, label=name)
         if log2_x:
             ax.set_xscale("log", base=2)
-        if panel.log_y:
+        if panel.log_y:  # plain numbers (60, not 6 x 10^1) on the major and minor ticks
             ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.yaxis.set_minor_formatter(FuncFormatter(_minor_log_label))
         if 0 < len(xs) <= MAX_TICKED_XS:  # ticks at the measured x values, written as plain numbers
             ax.set_xticks(sorted(xs), labels=[f"{v:g}" for v in sorted(xs)])
             ax.xaxis.set_minor_locator(NullLocator())

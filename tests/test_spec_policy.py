@@ -344,3 +344,22 @@ def test_drafts_after_k0_steps_equal_plain_recomputation(tiny_checkpoints, monke
             checked_after_zero += previous_k == 0
         previous_k = plan.num_spec_tokens
     assert checked_after_zero >= 3, f"only {checked_after_zero} drafts right after a K = 0 step were checked"
+
+
+def test_policy_metrics_reach_prometheus():
+    from tandem.entrypoints.openai.prometheus import render_metrics
+
+    policy = SpecPolicy(K_MAX)
+    Simulation(policy, batch=2, seed=7).run(World(0.8), 40)
+    text = render_metrics(policy.metrics(), "sharded")
+    lines = text.splitlines()
+
+    def values(prefix: str) -> list[float]:
+        return [float(line.split()[-1]) for line in lines if line.startswith(prefix)]
+
+    assert values('tandem:spec_policy_chosen_k_total{k="') and sum(values("tandem:spec_policy_chosen_k_total{")) == 40
+    assert len(values("tandem:spec_policy_chosen_k_total{")) == K_MAX + 1
+    assert values('tandem:spec_policy_acceptance_per_pos{position="0"}')  # a gauge per position: no _total
+    assert values("tandem:spec_policy_realised_emitted_tokens_total")[0] >= 40
+    assert values("tandem:spec_policy_predicted_emitted_tokens_total")[0] > 0
+    assert values("tandem:spec_policy_target_cost_per_token_seconds")[0] > 0, "fitted target cost not exported"

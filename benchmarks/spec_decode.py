@@ -21,6 +21,7 @@ from pathlib import Path
 
 from tandem import LLM, SamplingParams
 from tandem.assets import DEFAULT_DSPARK, DEFAULT_MODEL
+from tandem.bench.machine import machine_info
 from tandem.data.gsm8k import SHARED_GSM8K, STOP_STRINGS
 from tandem.eval.gsm8k import build_prompts, load_eval_data
 
@@ -57,9 +58,8 @@ def run(model: str, spec: dict | None, batch: int, max_tokens: int, args: argpar
             "acceptance_per_pos": [n / drafts for n in per_pos] if drafts else []}
 
 
-def plot_acceptance(results: list[dict], model: str, args: argparse.Namespace) -> Path:
+def plot_acceptance(results: list[dict], model: str, info: dict, args: argparse.Namespace) -> Path:
     """Acceptance rate at each draft position, one line per drafter, one panel per batch size."""
-    from tandem.bench.machine import machine_info
     from tandem.bench.plot import Panel, lines_by, machine_caption, plot_lines
 
     points = [{"config": r["config"], "batch": r["batch"], "position": i + 1, "rate": rate}
@@ -69,7 +69,7 @@ def plot_acceptance(results: list[dict], model: str, args: argparse.Namespace) -
               for b in args.batches]
     return plot_lines(args.plot, panels, title=f"Per-position draft acceptance (greedy, GSM8K 5-shot, "
                       f"<= {args.max_tokens} tokens)", x_label="draft position",
-                      subtitle=machine_caption(machine_info(), model))
+                      subtitle=machine_caption(info, model), share_y=True)
 
 
 def main() -> None:
@@ -92,6 +92,7 @@ def main() -> None:
             require_matplotlib()
         except PlotUnavailable as e:
             p.error(str(e))
+    info = machine_info()
     has_mtp = bool(json.loads((Path(args.model) / "config.json").read_text()).get("num_nextn_predict_layers"))
     configs: list[tuple[str, dict | None]] = [("no-spec", None)]
     if has_mtp:
@@ -117,7 +118,7 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     if args.plot is not None:
-        print(f"plot: {plot_acceptance(results, Path(args.model).name, args)}")
+        print(f"plot: {plot_acceptance(results, Path(args.model).name, info, args)}")
 
 
 if __name__ == "__main__":

@@ -69,12 +69,12 @@ def _minor_log_label(value: float, _pos: int) -> str:
 
 
 def plot_lines(path: str | Path, panels: Sequence[Panel], *, title: str, x_label: str, subtitle: str = "",
-               log2_x: bool = False) -> Path:
-    """Writes the panels side by side, sharing `x_label`, as one PNG at `path`; returns the path."""
+               log2_x: bool = False, share_y: bool = False) -> Path:
+    """Writes the panels side by side, sharing `x_label` (and the y range with `share_y`, for panels of one
+    quantity), as one PNG at `path`; returns the path."""
     require_matplotlib()
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.ticker import FuncFormatter, NullLocator
 
     if not panels:
         raise ValueError("plot_lines needs at least one panel")
@@ -85,31 +85,39 @@ def plot_lines(path: str | Path, panels: Sequence[Panel], *, title: str, x_label
             colours.setdefault(name, f"C{len(colours) % 10}")
     fig = Figure(figsize=(5.2 * len(panels), 4.4), layout="constrained")
     FigureCanvasAgg(fig)
-    for ax, panel in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels, strict=True):
-        xs: set[float] = set()
-        for name, points in panel.lines.items():
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name, color=colours[name])
-            xs.update(p[0] for p in points)
-        for name, value in panel.references.items():
-            ax.axhline(value, linestyle="--", color="grey", linewidth=1, label=name)
-        if log2_x:
-            ax.set_xscale("log", base=2)
-        if panel.log_y:  # plain numbers (60, not 6 x 10^1) on the major and minor ticks
-            ax.set_yscale("log")
-            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-            ax.yaxis.set_minor_formatter(FuncFormatter(_minor_log_label))
-        if 0 < len(xs) <= MAX_TICKED_XS:  # ticks at the measured x values, written as plain numbers
-            ax.set_xticks(sorted(xs), labels=[f"{v:g}" for v in sorted(xs)])
-            ax.xaxis.set_minor_locator(NullLocator())
+    axes = fig.subplots(1, len(panels), squeeze=False, sharey=share_y)[0]
+    for ax, panel in zip(axes, panels, strict=True):
+        _draw_panel(ax, panel, colours, x_label, log2_x)
+    for ax, panel in zip(axes, panels, strict=True):  # once all data is drawn, so a shared y range covers it all
         if panel.y_min is not None:
             ax.set_ylim(bottom=panel.y_min)
         if panel.references:  # keep a reference line off the frame's top edge
             ax.set_ylim(top=max(ax.get_ylim()[1], 1.08 * max(panel.references.values())))
-        ax.set_xlabel(x_label)
-        ax.set_ylabel(panel.y_label)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
     fig.suptitle(f"{title}\n{subtitle}" if subtitle else title, fontsize="medium")
     out = Path(path)
     fig.savefig(out, dpi=110)
     return out
+
+
+def _draw_panel(ax: Any, panel: Panel, colours: Mapping[str, str], x_label: str, log2_x: bool) -> None:
+    from matplotlib.ticker import FuncFormatter, NullLocator
+
+    xs: set[float] = set()
+    for name, points in panel.lines.items():
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name, color=colours[name])
+        xs.update(p[0] for p in points)
+    for name, value in panel.references.items():
+        ax.axhline(value, linestyle="--", color="grey", linewidth=1, label=name)
+    if log2_x:
+        ax.set_xscale("log", base=2)
+    if panel.log_y:  # plain numbers (60, not 6 x 10^1) on the major and minor ticks
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(FuncFormatter(_minor_log_label))
+    if 0 < len(xs) <= MAX_TICKED_XS:  # ticks at the measured x values, written as plain numbers
+        ax.set_xticks(sorted(xs), labels=[f"{v:g}" for v in sorted(xs)])
+        ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xlabel(x_label)
+    ax.set_ylabel(panel.y_label)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")

@@ -9,12 +9,21 @@ Model: the bundled tandem-dsv3-tiny (MLA, kv_lora_rank 512, one MTP layer) copie
 max_position_embeddings raised so an 8k prompt fits; its weights are untouched (this measures time, not text).
 Replicated mode is forced the way a user would: an explicit draft backend without PCP support
 (CONTIGUOUS_MLA). One thread per rank, prefix caching off, best of `--repeats`.
+
+`--drafter dspark` compares the two layouts of the DSpark drafter's context K/V instead (the bundled
+tandem-dsv3-tiny-dspark; spec_decode/dspark_context.py): sharded (each rank projects its own rows and all-gathers
+the K/V, the default) against replicated (restore the target's layer outputs, project every token on every rank;
+TANDEM_DSPARK_CONTEXT_KV=replicated). Both keep a replicated drafter cache; bytes are the formula's and, measured,
+the proposer's context_gather_bytes counter for one prefill of the prompt.
+
+    .venv/bin/python benchmarks/draft_modes.py --drafter dspark --prompt-len 8192 --repeats 5
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -23,14 +32,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tandem.assets import DEFAULT_MODEL
+from tandem.assets import DEFAULT_DSPARK, DEFAULT_MODEL
 from tandem.bench.machine import machine_info
 from tandem.bench.prompts import random_token_ids
 from tandem.spec_decode.cost_model import fit_prefill_terms, predict_draft_prefill_s
+from tandem.spec_decode.dspark_context import CONTEXT_KV_ENV
 from tandem.worker.pcp import partition
 
 MTP = {"method": "mtp", "num_speculative_tokens": 1}
 MODES = {"no drafter": None, "sharded": MTP, "replicated": {**MTP, "attention_backend": "CONTIGUOUS_MLA"}}
+DSPARK = {"method": "dspark", "model": str(DEFAULT_DSPARK), "num_speculative_tokens": 1}
+DSPARK_MODES = {"no drafter": None, "sharded": DSPARK, "replicated": DSPARK}  # the layout: $TANDEM_DSPARK_CONTEXT_KV
 
 
 def extra_bytes(config: dict, prompt_len: int, budget: int, pcp: int, mode: str) -> int:
@@ -50,23 +62,98 @@ def extra_bytes(config: dict, prompt_len: int, budget: int, pcp: int, mode: str)
     return 0
 
 
-def ttft(model: Path, ids: list[int], pcp: int, budget: int, spec: dict | None, repeats: int) -> tuple[float, str]:
+def dspark_bytes(prompt_len: int, budget: int, pcp: int, mode: str) -> int:
+    """Bytes all-gathered over the PCP group for DSpark's context, per the formula of spec_decode/dspark_context.py:
+    per step P * max_local * row, row = the drafter's K/V (sharded: L * 2 * Hkv * D * 4) or the target's captured
+    layer outputs (replicated: n * H_t * 4)."""
+    cfg = json.loads((DEFAULT_DSPARK / "config.json").read_text())
+    row = {"sharded": cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 4,
+           "replicated": len(cfg["target_layer_ids"]) * cfg["target_hidden_size"] * 4}.get(mode, 0)
+    chunks = [min(budget, prompt_len - s) for s in range(0, prompt_len, budget)]
+    return sum(pcp * partition(np.array([0, n]), np.array([True]), pcp).max_local_tokens * row for n in chunks)
+
+
+@torch.inference_mode()
+def dspark_context_s(prompt_len: int, pcp: int, repeats: int) -> dict[str, float]:
+    """One rank's context work for one prefill chunk of `prompt_len` tokens, in this process on one thread and
+    without the collective (best of `repeats`): sharded projects its max_local_tokens rows and writes all
+    prompt_len gathered rows; replicated projects and writes all prompt_len rows."""
+    from tandem.models.dspark import DSparkConfig, DSparkDrafter
+    from tandem.models.loader import load_weights, read_checkpoint
+
+    cfg = DSparkConfig.from_folder(str(DEFAULT_DSPARK))
+    drafter = DSparkDrafter(cfg, max_position=prompt_len + cfg.block_size)
+    load_weights(drafter, read_checkpoint(str(DEFAULT_DSPARK)))
+    for attn in drafter.attention_layers():
+        attn.kv_cache = torch.zeros(attn.kv_cache_shape(-(-prompt_len // 16), 16))
+    local = partition(np.array([0, prompt_len]), np.array([True]), pcp).max_local_tokens
+    aux = torch.randn(prompt_len, len(cfg.target_layer_ids) * cfg.target_hidden_size)  # [T, n * H_t]
+    positions = slots = torch.arange(prompt_len)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    work = {"sharded": lambda: drafter.write_context_kv(  # the gathered rows stand in for every rank's own
+                drafter.context_kv(aux[:local], positions[:local]).repeat(pcp, 1, 1, 1, 1)[:prompt_len], slots),
+            "replicated": lambda: drafter.write_context(aux, positions, slots)}
+    best = {}
+    for name, fn in work.items():
+        walls = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            walls.append(time.perf_counter() - start)
+        best[name] = min(walls)
+    torch.set_num_threads(threads)
+    return best
+
+
+def ttft(model: Path, ids: list[int], pcp: int, budget: int, spec: dict | None, repeats: int,
+         env: dict[str, str] | None = None) -> tuple[float, str, float]:
+    """Best TTFT, the draft mode, and the drafter's context_gather_bytes for one prefill of `ids` (DSpark)."""
     from tandem import LLM, SamplingParams
 
     torch.set_num_threads(pcp)  # the executor hands each rank get_num_threads() // world = 1 thread
+    os.environ.update(env or {})  # read by the spawned ranks when they build their drafter
     llm = LLM(str(model), dtype="float32", prefill_context_parallel_size=pcp, max_num_batched_tokens=budget,
               max_model_len=len(ids) + 8, enable_prefix_caching=False, speculative_config=spec)
     params = SamplingParams(temperature=0, max_tokens=1)
     try:
         llm.generate([{"prompt_token_ids": ids[:64]}], params, use_tqdm=False)  # warm-up
         walls = []
+        stats = llm.engine.spec_stats.draft_stats
         for _ in range(repeats):
+            before = stats.get("context_gather_bytes", 0.0)
             start = time.perf_counter()
             llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
             walls.append(time.perf_counter() - start)
-        return min(walls), str(llm.draft_mode)
+        return min(walls), str(llm.draft_mode), stats.get("context_gather_bytes", 0.0) - before
     finally:
         llm.shutdown()
+        for name in env or {}:
+            del os.environ[name]
+
+
+def main_dspark(args: argparse.Namespace, model: Path, ids: list[int]) -> dict:
+    rows = {}
+    for name, spec in DSPARK_MODES.items():
+        env = {CONTEXT_KV_ENV: name} if spec else None
+        wall, mode, measured = ttft(model, ids, args.pcp_size, args.max_num_batched_tokens, spec, args.repeats, env)
+        rows[name] = {"ttft_s": wall, "draft_mode": mode, "context_gather_bytes": measured,
+                      "formula_bytes": dspark_bytes(args.prompt_len, args.max_num_batched_tokens, args.pcp_size, name)}
+    compute = dspark_context_s(min(args.prompt_len, args.max_num_batched_tokens), args.pcp_size, args.repeats)
+    base = rows["no drafter"]["ttft_s"]
+    print(f"\n{'context K/V':>12}{'TTFT s':>9}{'draft prefill s':>17}{'bytes gathered':>16}{'formula':>13}"
+          f"{'rank compute s':>16}")
+    for name, r in rows.items():
+        r["draft_prefill_s"] = r["ttft_s"] - base if name != "no drafter" else 0.0
+        r["rank_context_compute_s"] = compute.get(name, 0.0)
+        print(f"{name:>12}{r['ttft_s']:>9.2f}{r['draft_prefill_s']:>17.3f}{r['context_gather_bytes']:>16,.0f}"
+              f"{r['formula_bytes']:>13,}{r['rank_context_compute_s']:>16.4f}")
+    sharded, replicated = rows["sharded"], rows["replicated"]
+    # a draft prefill within timing noise of zero makes the ratio meaningless
+    ratio = sharded["draft_prefill_s"] / replicated["draft_prefill_s"] if replicated["draft_prefill_s"] > 0 else None
+    print(f"\nsharded / replicated: draft prefill {'n/a' if ratio is None else f'{ratio:.2f}'}, bytes gathered "
+          f"{sharded['context_gather_bytes'] / max(replicated['context_gather_bytes'], 1):.2f}")
+    return {"rows": rows, "sharded_over_replicated": ratio}
 
 
 def main() -> None:
@@ -76,6 +163,8 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--drafter", choices=("mtp", "dspark"), default="mtp",
+                   help="mtp: sharded vs replicated draft prefill; dspark: sharded vs replicated context K/V")
     args = p.parse_args()
     info = machine_info()
     with tempfile.TemporaryDirectory() as tmp:
@@ -88,10 +177,16 @@ def main() -> None:
         print(f"{info['cpu']}, {info['num_cores']} cores, torch {info['torch']}, "
               f"load {info['load_avg_1m_at_start']:.2f}")
         print(f"one prompt of {args.prompt_len} tokens, PCP={args.pcp_size}, budget {args.max_num_batched_tokens}, "
-              f"1 thread per rank, best of {args.repeats}")
+              f"1 thread per rank, best of {args.repeats}, drafter {args.drafter}")
+        if args.drafter == "dspark":
+            result = main_dspark(args, model, ids)
+            if args.json:
+                args.json.write_text(json.dumps({"machine": info, "args": vars(args) | {"json": str(args.json)},
+                                                 **result}, indent=2))
+            return
         rows = {}
         for name, spec in MODES.items():
-            wall, mode = ttft(model, ids, args.pcp_size, args.max_num_batched_tokens, spec, args.repeats)
+            wall, mode, _ = ttft(model, ids, args.pcp_size, args.max_num_batched_tokens, spec, args.repeats)
             rows[name] = {"ttft_s": wall, "draft_mode": mode,
                           "extra_gather_bytes": extra_bytes(config, args.prompt_len, args.max_num_batched_tokens,
                                                             args.pcp_size, name)}

@@ -35,7 +35,7 @@ class RunningRow:
 
 
 class SpecPolicy:
-    def __init__(self, max_k: int, explore_after: int = 16, max_explore_after: int = 256, switch_margin: float = 0.01):
+    def __init__(self, max_k: int, explore_after: int = 16, max_explore_after: int = 256, switch_margin: float = 0.03):
         self.max_k, self.switch_margin = max_k, switch_margin
         self.accept = PositionRates(max_k)
         self.fill = PositionRates(max_k, prior=0.9)  # model drafters always fill; n-gram learns its own rate

@@ -159,6 +159,20 @@ def child(args: list[str]) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def plot(rows: list[dict], info: dict, model: str, folder_name: str, path: Path) -> Path:
+    from tandem.bench.plot import Panel, lines_by, machine_caption, plot_lines
+
+    ok = [r for r in rows if "wall_s" in r]
+
+    def label(r: dict) -> str:
+        return "HF" if r["system"] == "hf" else f"tandem PCP={r['pcp']}"
+
+    panels = [Panel("TTFT (s)", lines_by(ok, "length", "wall_s", label), log_y=True),
+              Panel("share of the fp32 GEMM rate", lines_by(ok, "length", "gemm_fraction", label), y_min=0)]
+    return plot_lines(path, panels, title=f"long-prompt prefill, {model}, 1 thread per rank",
+                      x_label="prompt tokens", subtitle=machine_caption(info, folder_name), log2_x=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=["dsv3", "smollm2"], default="dsv3")
@@ -168,8 +182,16 @@ def main() -> None:
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--json", type=Path)
     p.add_argument("--plot", type=Path, metavar="FILE.png")
+    p.add_argument("--replot", type=Path, metavar="FILE.json", help="draw --plot from an earlier --json and exit")
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.replot:
+        saved = json.loads(a.replot.read_text())
+        if a.plot is None:
+            p.error("--replot needs --plot FILE.png")
+        print("plot:", plot(saved["rows"], saved["machine"], saved.get("model", a.model), saved.get("folder", ""),
+                            a.plot))
+        return
     if a.child:
         kind, folder, length, *rest = json.loads(a.child)
         res = run_hf(folder, length) if kind == "hf" else run_tandem(folder, length, rest[0], rest[1])
@@ -225,20 +247,10 @@ def main() -> None:
               f"{r.get('speedup_vs_pcp1', 0):.2f} | {r.get('efficiency', 0):.2f} | "
               f"{max(r['peak_rss_mib']):.0f} | {vs_hf} |")
     if a.json:
-        a.json.write_text(json.dumps({"machine": info, "gemm_flops": peak, "rows": rows}, indent=2) + "\n")
+        a.json.write_text(json.dumps({"machine": info, "model": a.model, "folder": folder.name, "gemm_flops": peak,
+                                      "rows": rows}, indent=2) + "\n")
     if a.plot:
-        from tandem.bench.plot import Panel, lines_by, machine_caption, plot_lines
-
-        ok = [r for r in rows if "wall_s" in r]
-
-        def label(r: dict) -> str:
-            return "HF" if r["system"] == "hf" else f"tandem PCP={r['pcp']}"
-
-        panels = [Panel("TTFT (s)", lines_by(ok, "length", "wall_s", label), log_y=True),
-                  Panel("share of the fp32 GEMM rate", lines_by(ok, "length", "gemm_fraction", label), y_min=0)]
-        print("plot:", plot_lines(a.plot, panels, title=f"long-prompt prefill, {a.model}, 1 thread per rank",
-                                  x_label="prompt tokens", subtitle=machine_caption(info, folder.name), log2_x=True))
-
+        print("plot:", plot(rows, info, a.model, folder.name, a.plot))
 
 if __name__ == "__main__":
     main()

@@ -13,8 +13,11 @@ Replicated mode is forced the way a user would: an explicit draft backend withou
 `--drafter dspark` compares the two layouts of the DSpark drafter's context K/V instead (the bundled
 tandem-dsv3-tiny-dspark; spec_decode/dspark_context.py): sharded (each rank projects its own rows and all-gathers
 the K/V, the default) against replicated (restore the target's layer outputs, project every token on every rank;
-TANDEM_DSPARK_CONTEXT_KV=replicated). Both keep a replicated drafter cache; bytes are the formula's and, measured,
-the proposer's context_gather_bytes counter for one prefill of the prompt.
+TANDEM_DSPARK_CONTEXT_KV=replicated). Both keep a replicated drafter cache. Columns: TTFT and TTFT minus TTFT
+without a drafter (as for MTP); rank 0's own wall time in the drafter's hooks for the prompt (StepOutput.draft_s:
+context projection, its all-gather and the one block proposal); bytes all-gathered, measured (the proposer's
+context_gather_bytes counter) and by the formula of spec_decode/dspark_context.py; and one rank's context
+projection + cache write timed in this process on one thread without the collective.
 
     .venv/bin/python benchmarks/draft_modes.py --drafter dspark --prompt-len 8192 --repeats 5
 """

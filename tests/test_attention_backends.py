@@ -22,6 +22,7 @@ def test_every_backend_of_a_kind_gives_the_same_tokens(tiny_checkpoints, monkeyp
     two blocks or more)."""
     if reads == "gather":
         monkeypatch.setattr("tandem.attention.metadata.IN_PLACE_MIN_KEYS", 10**9)
+        monkeypatch.setattr("tandem.attention.metadata.GATHER_MAX_KEYS", 10**9)
     if reads == "in_place":
         monkeypatch.setattr("tandem.attention.metadata.IN_PLACE_MIN_KEYS", 0)
         monkeypatch.setattr("tandem.attention.metadata.MIN_RUN_KEYS", 32)

@@ -53,6 +53,7 @@ def test_long_prompt_key_reads_agree(long_reference, monkeypatch):
     tokens of the default in-place / cost-formula choice."""
     arch, path, prompts, ref = long_reference
     monkeypatch.setattr("tandem.attention.metadata.IN_PLACE_MIN_KEYS", 10**9)
+    monkeypatch.setattr("tandem.attention.metadata.GATHER_MAX_KEYS", 10**9)
     if arch == "deepseek_v3":
         monkeypatch.setattr("tandem.attention.backends.paged_mla.prefers_expanded", lambda *a: False)
     _assert_same(_run(path, prompts), ref, f"{arch} gather + absorbed")

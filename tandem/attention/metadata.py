@@ -21,10 +21,13 @@ if TYPE_CHECKING:
 
 PAD_SLOT_ID = -1  # slot_mapping value meaning "write nothing"
 SHORT_ROW_TOKENS = 16  # rows up to this many query tokens share one padded attention call (or read in place)
-# Short rows read their keys in place (views of contiguous slot runs) on the CPU once the longest of them sees
-# this many keys: below it, one padded gather and one batched matmul for all rows costs less than a few small
-# matmuls per row (measured: benchmarks/decode_attention.py).
-IN_PLACE_MIN_KEYS = 64
+# Short rows are padded into one gathered group (one batched matmul for all of them) while that group stays small;
+# a row that sees at least IN_PLACE_MIN_KEYS keys, and the longest rows while the group would pad to more than
+# GATHER_MAX_KEYS keys, read their keys in place instead (views of contiguous slot runs, a few small matmuls per
+# row). Measured on the CPU (absorbed MLA, 4 and 16 heads, 1-32 rows): the gather wins below ~1k keys a row as
+# long as rows x keys stays under ~8k, and past that copying the prefixes costs 2-5x the in-place reads.
+IN_PLACE_MIN_KEYS = 1024
+GATHER_MAX_KEYS = 8192
 # A contiguous run of fewer keys than this is gathered with the row's tail instead of read as its own view:
 # two small matmul calls cost about as much as copying this many keys.
 MIN_RUN_KEYS = 64
@@ -134,14 +137,18 @@ def build_attention_metadata(positions: torch.Tensor, query_start_loc_cpu: torch
     seq_lens = seq_lens_cpu.tolist()
     short = [i for i, n in enumerate(q_lens) if n <= SHORT_ROW_TOKENS]
     table_np = block_table.numpy() if block_table.device.type == "cpu" else None
-    row_keys = None
-    if (short and table_np is not None and key_bound is None
-            and max(seq_lens[i] for i in short) >= IN_PLACE_MIN_KEYS):
-        row_keys = [_row_keys(int(query_start_loc_cpu[i]), q_lens[i], seq_lens[i], table_np[i], block_size)
-                    for i in short]
-    groups = [] if row_keys is not None or not short else [
-        _group([(i, 0, q_lens[i]) for i in short], positions, query_start_loc_cpu, seq_lens_cpu, block_table,
-               block_size, key_bound)]
+    in_place: list[int] = []
+    if table_np is not None and key_bound is None:  # off the CPU (and for MTP's bounded drafts) the gather stays
+        by_keys = sorted(short, key=lambda i: seq_lens[i])
+        while by_keys and (seq_lens[by_keys[-1]] >= IN_PLACE_MIN_KEYS
+                           or len(by_keys) * seq_lens[by_keys[-1]] > GATHER_MAX_KEYS):
+            in_place.append(by_keys.pop())
+        gathered = set(by_keys)
+        short = [i for i in short if i in gathered]  # kept in batch order: a batch of decodes stays dense
+    row_keys = [_row_keys(int(query_start_loc_cpu[i]), q_lens[i], seq_lens[i], table_np[i], block_size)
+                for i in sorted(in_place)] if table_np is not None and in_place else None
+    groups = [_group([(i, 0, q_lens[i]) for i in short], positions, query_start_loc_cpu, seq_lens_cpu, block_table,
+                     block_size, key_bound)] if short else []
     long_rows = _long_rows([i for i, n in enumerate(q_lens) if n > SHORT_ROW_TOKENS], query_start_loc_cpu, q_lens,
                            seq_lens, block_table, table_np, block_size, positions.device)
     return AttentionMetadata(

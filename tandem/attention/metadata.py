@@ -11,13 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-
-if TYPE_CHECKING:
-    from tandem.distributed.groups import Group
 
 PAD_SLOT_ID = -1  # slot_mapping value meaning "write nothing"
 SHORT_ROW_TOKENS = 16  # rows up to this many query tokens share one padded attention call (or read in place)
@@ -76,10 +72,6 @@ class LongRow:
 
     pieces: tuple[LongPiece, ...]
     kv_slots: torch.Tensor  # [max seq_len] int64
-    # Under PCP: the group every rank holds this request's LongRow in (in the same order, pieces or none), over
-    # which MLA splits the expansion of its keys (each rank expands 1/P of them and all-gathers the rest).
-    split: Group | None = None
-    global_queries: int = 0  # the request's queries on all ranks, which the expanded/absorbed choice is made on
 
     @property
     def seq_len(self) -> int:
@@ -88,11 +80,6 @@ class LongRow:
     @property
     def num_queries(self) -> int:
         return sum(p.num_queries for p in self.pieces)
-
-    @property
-    def cost_queries(self) -> int:
-        """The queries the cost formula counts: the same on every rank of a split row, so all ranks choose alike."""
-        return self.global_queries if self.split is not None else self.num_queries
 
 
 @dataclass(frozen=True)
@@ -174,11 +161,11 @@ def _long_rows(rows: list[int], qsl: torch.Tensor, q_lens: list[int], seq_lens: 
                 break
         else:
             groups.append((i, [piece]))
-    return [LongRow(tuple(pieces), row_slots(block_table, rep, seq_lens[rep], block_size, table_np, device))
+    return [LongRow(tuple(pieces), _row_slots(block_table, rep, seq_lens[rep], block_size, table_np, device))
             for rep, pieces in groups]
 
 
-def row_slots(block_table: torch.Tensor, row: int, seq_len: int, block_size: int, table_np: np.ndarray | None,
+def _row_slots(block_table: torch.Tensor, row: int, seq_len: int, block_size: int, table_np: np.ndarray | None,
                device: torch.device) -> torch.Tensor:
     """[seq_len] int64 cache slots of positions 0..seq_len-1 of one row."""
     num_blocks = -(-seq_len // block_size)

@@ -21,16 +21,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from tandem.attention.causal_rows import causal_row_attention
 from tandem.attention.metadata import LongPiece
-
-if TYPE_CHECKING:
-    from tandem.distributed.groups import Group
 
 
 @dataclass(frozen=True)
@@ -68,16 +64,13 @@ def prefers_expanded(num_queries: int, seq_len: int, up: MLAUpProjection, rope: 
 
 
 def long_row_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, pieces: Sequence[LongPiece],
-                       scale: float, up: MLAUpProjection, expanded: bool, out: torch.Tensor,
-                       split: Group | None = None) -> None:
+                       scale: float, up: MLAUpProjection, expanded: bool, out: torch.Tensor) -> None:
     """One request's long pieces: q_nope [T, H, nope], q_pe [T, H, rope] (the step's tokens), latent [S, L + rope]
     its keys; writes out[piece's tokens] = [Q, H, v]. Each key is read (and, expanded, up-projected) once per
-    layer, however many pieces see it. `split` (expanded only; every rank of it calls this for the same row):
-    each rank up-projects ceil(S / P) of the keys and all-gathers the others' (H (nope + v) values per key),
-    instead of every rank expanding all S."""
+    layer, however many pieces see it."""
     heads, nope, lora = up.w_uk.shape
     if expanded:
-        kv = expand_latent(latent[:, :lora], up, split).view(-1, heads, nope + up.w_uv.shape[1])  # [S, H, nope + v]
+        kv = torch.matmul(latent[:, :lora], up.kv_b().t()).view(-1, heads, nope + up.w_uv.shape[1])  # one GEMM
         k_pe = latent[:, None, lora:].expand(-1, heads, -1)
         k = torch.cat((kv[..., :nope], k_pe), dim=-1).transpose(0, 1)  # [H, S, nope + rope]
         v = kv[..., nope:].transpose(0, 1)  # [H, S, v]
@@ -93,17 +86,6 @@ def long_row_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.T
         keys = lat[:, : p.seq_len]
         o_latent = causal_row_attention(q, keys, keys, scale)[..., :lora]  # [H, Q, L]
         out[rows] = up_project(o_latent.transpose(0, 1), up)
-
-
-def expand_latent(kv_c: torch.Tensor, up: MLAUpProjection, split: Group | None) -> torch.Tensor:
-    """kv_c [S, L] -> [S, H * (nope + v)], one GEMM with kv_b_proj's weight (a 1/P share of it per rank, split)."""
-    if split is None or split.size == 1:
-        return torch.matmul(kv_c, up.kv_b().t())
-    s = kv_c.shape[0]
-    share = -(-s // split.size)
-    mine = torch.matmul(kv_c[split.rank * share: (split.rank + 1) * share], up.kv_b().t())
-    mine = torch.cat((mine, mine.new_zeros(share - mine.shape[0], mine.shape[1])))  # equal sizes to all-gather
-    return split.all_gather(mine)[:s]
 
 
 def expanded_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, mask: torch.Tensor,

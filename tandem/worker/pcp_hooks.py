@@ -10,17 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from tandem.attention.metadata import (
-    SHORT_ROW_TOKENS,
-    AttentionMetadata,
-    LongPiece,
-    LongRow,
-    build_attention_metadata,
-    row_slots,
-)
+from tandem.attention.metadata import AttentionMetadata, build_attention_metadata
 from tandem.distributed.groups import Group
 from tandem.worker.input_batch import InputBatch, global_attention_metadata
 from tandem.worker.pcp import (
@@ -99,30 +91,8 @@ class PartitionedPCPHooks(PCPHooks):
             torch.from_numpy(view.positions).to(device), torch.from_numpy(view.query_start_loc),
             torch.from_numpy(view.seq_lens), torch.from_numpy(view.block_table).to(device), self.block_size,
             write_rows, real_slots[writes])
-        meta.long_rows = self._split_long_rows(meta.long_rows, batch, part, view.query_start_loc)
         self.part = part
         return LocalBatch(batch.input_ids[self.token_idx], meta.positions, meta)
-
-    def _split_long_rows(self, local: list[LongRow], batch: InputBatch, part: PCPPartition,
-                         local_qsl: np.ndarray) -> list[LongRow]:
-        """One LongRow per long GLOBAL row, in global order, on every rank (with this rank's pieces of it, maybe
-        none), its keys all of the request's: so every rank makes the same collectives in the same order when
-        MLA splits a row's key expansion over the group."""
-        to_global = part.local_row_to_global_row[self.pcp.rank]
-        global_row = {int(local_qsl[i]): int(g) for i, g in enumerate(to_global)}
-        pieces: dict[int, list[LongPiece]] = {}
-        for lr in local:
-            for p in lr.pieces:
-                pieces.setdefault(global_row[p.token_start], []).append(p)
-        q_lens = np.diff(batch.query_start_loc_np)
-        table = batch.block_table.cpu()
-        seq_lens = batch.seq_lens_cpu.tolist()
-        rows = [LongRow(tuple(pieces.pop(g, [])), row_slots(table, g, seq_lens[g], self.block_size, table.numpy(),
-                                                            torch.device("cpu")).to(batch.input_ids.device),
-                        split=self.pcp, global_queries=int(q_lens[g]))
-                for g in np.flatnonzero(q_lens > SHORT_ROW_TOKENS).tolist()]
-        assert not pieces, f"local long pieces of short global rows: {sorted(pieces)}"
-        return rows
 
     def localize(self, x: torch.Tensor) -> torch.Tensor:
         return x[self.token_idx]

@@ -51,6 +51,6 @@ class PagedMLABackend(AttentionBackend):
             out[short] = up_project(o_latent[short], up)
         for lr in meta.long_rows:
             latent = gather_rows(cache_flat, lr.kv_slots).to(q_nope.dtype)  # [S, L + R], read once per layer
-            expanded = prefers_expanded(lr.cost_queries, lr.seq_len, up, q_pe.shape[-1])
-            long_row_attention(q_nope, q_pe, latent, lr.pieces, scale, up, expanded, out, lr.split)
+            long_row_attention(q_nope, q_pe, latent, lr.pieces, scale, up,
+                               prefers_expanded(lr.num_queries, lr.seq_len, up, q_pe.shape[-1]), out)
         return out

@@ -127,11 +127,13 @@ def test_switches_to_zero_when_drafting_stops_paying_and_recovers():
     assert good.best_k(1) >= 2 and bad.best_k(1) == 0
     first = sim.run(good, 200)
     assert _mode(first[-50:])[0] == good.best_k(1)
-    second = sim.run(bad, 400)
-    assert _mode(second[-200:]) [0] == 0
+    sim.run(bad, 200)
+    tokens, seconds = sim.tokens, sim.seconds
+    second = sim.run(bad, 200)
+    assert _mode(second)[0] == 0
     # what exploration costs while drafting does not pay: a few K = 1 steps, at most 3% of the tokens per second
-    steps_drafting = sum(1 for k in second[-200:] if k)
-    assert steps_drafting <= 0.03 * 200, f"{steps_drafting} of 200 steps drafted while drafting loses"
+    rate = (sim.tokens - tokens) / (sim.seconds - seconds)
+    assert rate >= 0.97 * bad.rate(1, 0), f"{rate:.1f} tok/s while K = 0 gives {bad.rate(1, 0):.1f} ({second})"
     third = sim.run(good, 600)
     k, share = _mode(third[-100:])
     assert k == good.best_k(1) and share >= 0.85, f"did not recover: chose {k} ({share:.0%}) after it paid again"
@@ -196,16 +198,19 @@ def test_expected_lengths_of_known_rates():
 
 def test_cost_model_recovers_known_coefficients_and_stays_non_negative():
     rng = np.random.default_rng(0)
-    truth = np.array([0.004, 0.0002, 0.00005, 2e-8])  # base, per row, per token, per token x context
+    # base, per row, per token, per token x context, per verifying row, per emitted token
+    truth = np.array([0.004, 0.0002, 0.00005, 2e-8, 0.0003, 0.00001])
     model = LinearCostModel(TARGET_TERMS, forgetting=1.0)
     for _ in range(200):
         rows = int(rng.integers(1, 64))
         tokens = rows * int(rng.integers(1, 5))
-        shape = StepShape(rows, tokens, tokens * float(rng.integers(10, 4000)), rows, 0)
+        verifying = int(rng.integers(0, rows + 1))
+        emitted = rows + int(rng.integers(0, tokens - rows + 1))
+        shape = StepShape(rows, tokens, tokens * float(rng.integers(10, 4000)), rows, 0, verifying, emitted)
         seconds = float(shape.target_features() @ truth) * (1 + 0.01 * rng.standard_normal())
         model.observe(shape.target_features(), seconds)
     model.refit()
-    assert model.coef == pytest.approx(truth, rel=0.1), model.named()
+    assert model.coef == pytest.approx(truth, rel=0.2), model.named()
     # a term the data contradicts (cost falling with rows) is clipped at zero, not fitted negative
     model = LinearCostModel(TARGET_TERMS, forgetting=1.0)
     for rows in range(1, 40):

@@ -2,15 +2,18 @@
 shape, and the draft-prefill prediction for the two PCP draft modes from the same terms.
 
 Features of a step (all from the StepPlan, so the scheduler can evaluate a step it has not run):
-    target: 1, rows, tokens, tokens x context (attended keys: sum over rows of n_i * (start_i + (n_i + 1) / 2))
+    target: 1, rows, tokens, tokens x context (attended keys: sum over rows of n_i * (start_i + (n_i + 1) / 2)),
+            verifying rows (rows with drafts take the rejection sampler, not plain sampling), emitted tokens
+            (the engine's per-token output work; expected emitted when the policy evaluates a step)
     draft:  1, tokens, attended keys                   (MTP step 0 / DSpark context: every token of the step)
             [k>0], S [k>0], C [k>0]                    (first draft: sampling / DSpark's block, S rows, C keys)
             (k-1)+, S (k-1)+, C (k-1)+                 (MTP's one-token draft decodes)
 where S = sampling rows and C = their summed context. A drafter whose passes lack a term fits ~0 for it.
 
 The fit is least squares with exponential forgetting (old steps fade, so the model follows a machine whose load
-or a workload whose shape drifts), a small ridge toward zero (terms the data cannot separate stay small), and
-non-negative coefficients (a cost never falls as work grows). It is re-solved every `refresh_every` steps.
+or a workload whose shape drifts), high outliers clipped once the model is fitted, a small ridge toward zero
+(terms the data cannot separate stay small), and non-negative coefficients (a cost never falls as work grows).
+It is re-solved every `refresh_every` steps.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-TARGET_TERMS = ("base", "per_row", "per_token", "per_token_context")
+TARGET_TERMS = ("base", "per_row", "per_token", "per_token_context", "per_verifying_row", "per_emitted_token")
 DRAFT_TERMS = ("base", "per_token", "per_token_context", "first", "first_per_row", "first_per_context",
                "decode", "decode_per_row", "decode_per_context")
 
@@ -33,9 +36,12 @@ class StepShape:
     num_keys: float
     num_sampling_rows: int
     sampling_context: int
+    num_verifying_rows: float = 0.0
+    num_emitted: float = 0.0
 
     def target_features(self) -> np.ndarray:
-        return np.array([1.0, self.num_rows, self.num_tokens, self.num_keys])
+        return np.array([1.0, self.num_rows, self.num_tokens, self.num_keys, self.num_verifying_rows,
+                         self.num_emitted])
 
     def draft_features(self, k: int) -> np.ndarray:
         first, decodes = float(k > 0), float(max(k - 1, 0))
@@ -47,6 +53,9 @@ class StepShape:
 def attended_keys(num_new_tokens: int, num_computed_tokens: int) -> float:
     """Keys the n new tokens of a row attend to in total (causal): n * start + n (n + 1) / 2."""
     return num_new_tokens * num_computed_tokens + num_new_tokens * (num_new_tokens + 1) / 2
+
+
+OUTLIER_CLIP = 1.5  # a step measured above this multiple of the prediction is counted at it (noise is one-sided)
 
 
 @dataclass
@@ -65,6 +74,8 @@ class LinearCostModel:
         self.gram, self.moment, self.coef = np.zeros((n, n)), np.zeros(n), np.zeros(n)
 
     def observe(self, features: np.ndarray, seconds: float) -> None:
+        if self.ready:  # a step stalled by the machine (another process, a GC pause) counts as at most an outlier
+            seconds = min(seconds, OUTLIER_CLIP * self.predict(features) + 1e-4)
         self.gram = self.forgetting * self.gram + np.outer(features, features)
         self.moment = self.forgetting * self.moment + features * seconds
         self.num_observations += 1

@@ -81,8 +81,7 @@ class SpecPolicy:
     def expected(self, running: list[RunningRow], k: int,
                  rates: dict[str, tuple[np.ndarray, np.ndarray]] | None = None) -> tuple[float, float]:
         """(expected emitted tokens, predicted seconds) of the next step at K = k."""
-        emitted = num_tokens = 0.0
-        num_keys = 0.0
+        emitted = num_tokens = num_keys = verifying = 0.0
         sampling, context = 0, 0
         for r in running:
             if r.num_new_tokens > 1:  # a prompt chunk: its cost does not depend on K
@@ -93,11 +92,12 @@ class SpecPolicy:
                                                               self.fill.estimate(r.request_id))
             e, d = expected_lengths(accept, fill, k)
             emitted += e
+            verifying += fill[0] if k else 0.0
             num_tokens += 1 + d
             num_keys += (1 + d) * r.num_tokens
             sampling += 1
             context += r.num_tokens
-        shape = StepShape(len(running), round(num_tokens), num_keys, sampling, context)
+        shape = StepShape(len(running), round(num_tokens), num_keys, sampling, context, verifying, emitted)
         seconds = self.target.predict(shape.target_features()) + self.draft.predict(shape.draft_features(k))
         return emitted, seconds
 
@@ -111,7 +111,7 @@ class SpecPolicy:
     def record_step(self, plan: StepPlan, output: StepOutput, step_s: float, draft_s: float,
                     learn_acceptance: bool = True) -> None:
         """A step ran: `step_s` its whole wall time on rank 0, `draft_s` the drafter's share of it."""
-        shape = step_shape(plan)
+        shape = step_shape(plan, output)
         self.target.observe(shape.target_features(), max(step_s - draft_s, 0.0))
         self.draft.observe(shape.draft_features(plan.num_spec_tokens), draft_s)
         sampling_rows = [row for row in plan.rows if row.sampling is not None]
@@ -146,9 +146,11 @@ class SpecPolicy:
         ]
 
 
-def step_shape(plan: StepPlan) -> StepShape:
+def step_shape(plan: StepPlan, output: StepOutput) -> StepShape:
     rows = plan.rows
     keys = sum(attended_keys(len(r.token_ids), r.num_computed_tokens) for r in rows)
     sampling = [r for r in rows if r.sampling is not None]
     context = sum(r.num_computed_tokens + len(r.token_ids) for r in sampling)
-    return StepShape(len(rows), plan.num_tokens, keys, len(sampling), context)
+    verifying = sum(1 for r in sampling if r.num_draft_tokens)
+    emitted = sum(map(len, output.sampled_token_ids))
+    return StepShape(len(rows), plan.num_tokens, keys, len(sampling), context, verifying, emitted)

@@ -198,15 +198,16 @@ def test_expected_lengths_of_known_rates():
 
 def test_cost_model_recovers_known_coefficients_and_stays_non_negative():
     rng = np.random.default_rng(0)
-    # base, per row, per token, per token x context, per verifying row, per emitted token
-    truth = np.array([0.004, 0.0002, 0.00005, 2e-8, 0.0003, 0.00001])
+    # base, per row, per token, per token x context, per verifying row, per verifying context, per emitted token
+    truth = np.array([0.004, 0.0002, 0.00005, 2e-8, 0.0003, 1e-6, 0.00001])
     model = LinearCostModel(TARGET_TERMS, forgetting=1.0)
     for _ in range(200):
         rows = int(rng.integers(1, 64))
         tokens = rows * int(rng.integers(1, 5))
         verifying = int(rng.integers(0, rows + 1))
         emitted = rows + int(rng.integers(0, tokens - rows + 1))
-        shape = StepShape(rows, tokens, tokens * float(rng.integers(10, 4000)), rows, 0, verifying, emitted)
+        context = float(rng.integers(10, 4000))
+        shape = StepShape(rows, tokens, tokens * context, rows, 0, verifying, verifying * context, emitted)
         seconds = float(shape.target_features() @ truth) * (1 + 0.01 * rng.standard_normal())
         model.observe(shape.target_features(), seconds)
     model.refit()

@@ -3,7 +3,8 @@ shape, and the draft-prefill prediction for the two PCP draft modes from the sam
 
 Features of a step (all from the StepPlan, so the scheduler can evaluate a step it has not run):
     target: 1, rows, tokens, tokens x context (attended keys: sum over rows of n_i * (start_i + (n_i + 1) / 2)),
-            verifying rows (rows with drafts take the rejection sampler, not plain sampling), emitted tokens
+            verifying rows and their summed context (a row with drafts takes the multi-token attention path and
+            the rejection sampler, a plain decode neither), emitted tokens
             (the engine's per-token output work; expected emitted when the policy evaluates a step)
     draft:  1, tokens, attended keys                   (MTP step 0 / DSpark context: every token of the step)
             [k>0], S [k>0], C [k>0]                    (first draft: sampling / DSpark's block, S rows, C keys)
@@ -22,7 +23,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-TARGET_TERMS = ("base", "per_row", "per_token", "per_token_context", "per_verifying_row", "per_emitted_token")
+TARGET_TERMS = ("base", "per_row", "per_token", "per_token_context", "per_verifying_row",
+                "per_verifying_context", "per_emitted_token")
 DRAFT_TERMS = ("base", "per_token", "per_token_context", "first", "first_per_row", "first_per_context",
                "decode", "decode_per_row", "decode_per_context")
 
@@ -37,11 +39,12 @@ class StepShape:
     num_sampling_rows: int
     sampling_context: int
     num_verifying_rows: float = 0.0
+    verifying_context: float = 0.0
     num_emitted: float = 0.0
 
     def target_features(self) -> np.ndarray:
         return np.array([1.0, self.num_rows, self.num_tokens, self.num_keys, self.num_verifying_rows,
-                         self.num_emitted])
+                         self.verifying_context, self.num_emitted])
 
     def draft_features(self, k: int) -> np.ndarray:
         first, decodes = float(k > 0), float(max(k - 1, 0))

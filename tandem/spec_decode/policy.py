@@ -81,7 +81,7 @@ class SpecPolicy:
     def expected(self, running: list[RunningRow], k: int,
                  rates: dict[str, tuple[np.ndarray, np.ndarray]] | None = None) -> tuple[float, float]:
         """(expected emitted tokens, predicted seconds) of the next step at K = k."""
-        emitted = num_tokens = num_keys = verifying = 0.0
+        emitted = num_tokens = num_keys = verifying = verifying_context = 0.0
         sampling, context = 0, 0
         for r in running:
             if r.num_new_tokens > 1:  # a prompt chunk: its cost does not depend on K
@@ -93,11 +93,13 @@ class SpecPolicy:
             e, d = expected_lengths(accept, fill, k)
             emitted += e
             verifying += fill[0] if k else 0.0
+            verifying_context += fill[0] * r.num_tokens if k else 0.0
             num_tokens += 1 + d
             num_keys += (1 + d) * r.num_tokens
             sampling += 1
             context += r.num_tokens
-        shape = StepShape(len(running), round(num_tokens), num_keys, sampling, context, verifying, emitted)
+        shape = StepShape(len(running), round(num_tokens), num_keys, sampling, context, verifying, verifying_context,
+                          emitted)
         seconds = self.target.predict(shape.target_features()) + self.draft.predict(shape.draft_features(k))
         return emitted, seconds
 
@@ -151,6 +153,8 @@ def step_shape(plan: StepPlan, output: StepOutput) -> StepShape:
     keys = sum(attended_keys(len(r.token_ids), r.num_computed_tokens) for r in rows)
     sampling = [r for r in rows if r.sampling is not None]
     context = sum(r.num_computed_tokens + len(r.token_ids) for r in sampling)
-    verifying = sum(1 for r in sampling if r.num_draft_tokens)
+    verifying = [r for r in sampling if r.num_draft_tokens]
+    verifying_context = sum(r.num_computed_tokens + 1 for r in verifying)
     emitted = sum(map(len, output.sampled_token_ids))
-    return StepShape(len(rows), plan.num_tokens, keys, len(sampling), context, verifying, emitted)
+    return StepShape(len(rows), plan.num_tokens, keys, len(sampling), context, len(verifying), verifying_context,
+                     emitted)

@@ -68,9 +68,11 @@ def causal_row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scal
     hq, num_q, _ = q.shape
     hkv, s, _ = k.shape
     r, p = hq // hkv, s - num_q
-    kd, vd = k[:, p:], v[:, p:]
-    if r > 1:
-        kd, vd = kd.repeat_interleave(r, dim=0), vd.repeat_interleave(r, dim=0)  # [Hq, Q, D*]
+    kd = k[:, p:].repeat_interleave(r, dim=0) if r > 1 else k[:, p:]  # [Hq, Q, D]
+    if v is k:  # MLA's absorbed form: the values are the keys, repeated once
+        vd = kd
+    else:
+        vd = v[:, p:].repeat_interleave(r, dim=0) if r > 1 else v[:, p:]  # [Hq, Q, Dv]
     out, lse = attention_with_lse(q[None], kd[None], vd[None], scale, causal=True)  # [1, Hq, Q, Dv]
     if p == 0:
         return out[0]

@@ -94,10 +94,6 @@ class RowKeys:
     runs: tuple[tuple[int, int], ...]  # (first slot, number of keys)
     tail_slots: torch.Tensor  # [n_tail] int64
 
-    @property
-    def num_keys(self) -> int:
-        return sum(n for _, n in self.runs) + self.tail_slots.shape[0]
-
 
 @dataclass
 class AttentionMetadata:
@@ -148,6 +144,9 @@ def _long_rows(rows: list[int], qsl: torch.Tensor, q_lens: list[int], seq_lens: 
                table_np: np.ndarray | None, block_size: int, device: torch.device) -> list[LongRow]:
     """Long rows grouped by shared keys: a row joins a group when their block tables agree over the shorter
     one's blocks (the same request's pieces; requests sharing only a cached prefix still diverge later)."""
+    if not rows:
+        return []
+    # off the CPU one host copy of the table per prefill step (the step's inputs were built on the host anyway)
     table = table_np if table_np is not None else block_table.cpu().numpy()
     groups: list[tuple[int, list[LongPiece]]] = []  # (row whose keys reach furthest, pieces)
     for i in rows:
@@ -161,19 +160,15 @@ def _long_rows(rows: list[int], qsl: torch.Tensor, q_lens: list[int], seq_lens: 
                 break
         else:
             groups.append((i, [piece]))
-    return [LongRow(tuple(pieces), _row_slots(block_table, rep, seq_lens[rep], block_size, table_np, device))
+    return [LongRow(tuple(pieces), _row_slots(table, rep, seq_lens[rep], block_size, device))
             for rep, pieces in groups]
 
 
-def _row_slots(block_table: torch.Tensor, row: int, seq_len: int, block_size: int, table_np: np.ndarray | None,
-               device: torch.device) -> torch.Tensor:
-    """[seq_len] int64 cache slots of positions 0..seq_len-1 of one row."""
-    num_blocks = -(-seq_len // block_size)
-    if table_np is not None:
-        blocks = table_np[row, :num_blocks].astype(np.int64)
-        return torch.from_numpy((blocks[:, None] * block_size + np.arange(block_size)).reshape(-1)[:seq_len])
-    blocks = block_table[row, :num_blocks].long()
-    return (blocks[:, None] * block_size + torch.arange(block_size, device=device)).flatten()[:seq_len]
+def _row_slots(table: np.ndarray, row: int, seq_len: int, block_size: int, device: torch.device) -> torch.Tensor:
+    """[seq_len] int64 cache slots of positions 0..seq_len-1 of one row (`table`: the host block table)."""
+    blocks = table[row, : -(-seq_len // block_size)].astype(np.int64)
+    slots = (blocks[:, None] * block_size + np.arange(block_size)).reshape(-1)[:seq_len]
+    return torch.from_numpy(slots).to(device)
 
 
 def _row_keys(token_start: int, num_queries: int, seq_len: int, blocks: np.ndarray, block_size: int) -> RowKeys:

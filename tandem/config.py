@@ -103,6 +103,9 @@ class ParallelConfig:
     prefill_context_parallel_size: int = 1
     enable_expert_parallel: bool = False
     decode_context_parallel_size: int = 1  # accepted as a name only: DCP is outside tandem's contract
+    # where each token's K/V lives under PCP: "replicated" (every rank holds the whole context) or "sharded"
+    # (on the rank that owns its KV block, worker/pcp_kv.py: context capacity grows with the PCP size)
+    pcp_kv_layout: str = "replicated"
 
     @property
     def world_size(self) -> int:
@@ -247,6 +250,8 @@ class AttentionConfig:
     backend_per_kind: dict[str, str] = field(default_factory=dict)
 
 
+PCP_KV_LAYOUTS = ("replicated", "sharded")
+
 # vLLM's default capture sizes, cut at 512 (tandem's steps are at most max_num_batched_tokens anyway).
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
@@ -326,6 +331,8 @@ class EngineConfig:
         for name in ("tensor_parallel_size", "prefill_context_parallel_size"):
             if getattr(p, name) < 1:
                 _fail(name, getattr(p, name), "a positive integer")
+        if p.pcp_kv_layout not in PCP_KV_LAYOUTS:
+            _fail("pcp_kv_layout", p.pcp_kv_layout, f"one of {', '.join(PCP_KV_LAYOUTS)}")
         p.check_model(m)
         self.speculative_config.validate(m)
         self._reject_unsupported()
@@ -357,6 +364,13 @@ class EngineConfig:
                          "per-step partition and collectives; use PIECEWISE with prefill_context_parallel_size > 1")
 
 
+def kv_pools(config: EngineConfig) -> int:
+    """KV block pools the scheduler allocates from: one per PCP rank with the sharded layout, else one (every
+    rank holds every block)."""
+    p = config.parallel_config
+    return p.prefill_context_parallel_size if p.pcp_kv_layout == "sharded" else 1
+
+
 def _unsupported(what: str, value: Any, why: str) -> None:
     raise ConfigError(f"{what}={value!r} is not supported: {why}")
 
@@ -367,5 +381,5 @@ def config_fields(cls: type) -> set[str]:
 
 __all__ = [
     "AttentionConfig", "CacheConfig", "CompilationConfig", "ConfigError", "EngineConfig", "ModelConfig",
-    "ParallelConfig", "SchedulerConfig", "SpeculativeConfig", "config_fields", "replace", "resolve_dtype",
+    "ParallelConfig", "SchedulerConfig", "SpeculativeConfig", "config_fields", "kv_pools", "replace", "resolve_dtype",
 ]

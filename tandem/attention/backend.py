@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 import torch
 
 from tandem.attention.metadata import AttentionMetadata
+from tandem.attention.sharded_kv import ShardedAttentionMetadata
 from tandem.config import EngineConfig
 
 ATTENTION_KINDS = ("full_attention", "mla_attention")
@@ -26,6 +27,12 @@ class AttentionBackend:
     def supports_pcp(cls) -> bool:
         raise NotImplementedError
 
+    @classmethod
+    def supports_kv_sharding(cls) -> bool:
+        """True when the backend attends over owner-sharded KV (pcp_kv_layout sharded): forward_sharded /
+        forward_mla_sharded return partial outputs with their LSE over the keys this rank owns."""
+        return False
+
     @staticmethod
     def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -37,6 +44,20 @@ class AttentionBackend:
                     meta: AttentionMetadata, scale: float, up: Any) -> torch.Tensor:
         """mla_attention backends: q_nope [T, H, nope], q_pe [T, H, rope], entries [T, L + rope] this step's
         latents, `up` the MLAUpProjection (W_UK, W_UV) -> [T, H, v]."""
+        raise NotImplementedError
+
+    @staticmethod
+    def forward_sharded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                        meta: ShardedAttentionMetadata, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """full_attention, sharded KV: q [T_global, Hq, D] every query of the step, k/v the (gathered) new K/V
+        -> partial (out [T_global, Hq, D] float32, lse [T_global, Hq]) over the keys this rank owns."""
+        raise NotImplementedError
+
+    @staticmethod
+    def forward_mla_sharded(q: torch.Tensor, entries: torch.Tensor, kv_cache: torch.Tensor,
+                            meta: ShardedAttentionMetadata, scale: float, up: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """mla_attention, sharded KV: q [T_global, H, nope + rope] every query of the step, entries the (gathered)
+        new latents -> partial (out [T_global, H, v] float32, lse [T_global, H]) over the owned keys."""
         raise NotImplementedError
 
 
@@ -62,7 +83,11 @@ def select_target_backends(config: EngineConfig) -> dict[str, type[AttentionBack
     attn = config.attention_config
     kind = attention_kind(config.model_config.architecture)
     use_pcp = config.parallel_config.prefill_context_parallel_size > 1
-    return {kind: select_backend(kind, attn.backend_per_kind.get(kind, attn.backend), use_pcp)}
+    cls = select_backend(kind, attn.backend_per_kind.get(kind, attn.backend), use_pcp)
+    if use_pcp and config.parallel_config.pcp_kv_layout == "sharded" and not cls.supports_kv_sharding():
+        raise ValueError(f"attention backend {cls.name!r} does not attend over owner-sharded KV "
+                         "(pcp_kv_layout='sharded'): use PAGED_SDPA / PAGED_MLA or pcp_kv_layout='replicated'")
+    return {kind: cls}
 
 
 def select_backend(kind: str, requested: str | None, use_pcp: bool) -> type[AttentionBackend]:

@@ -14,6 +14,7 @@ import torch
 
 from tandem.attention.backend import AttentionBackend
 from tandem.attention.metadata import AttentionMetadata
+from tandem.attention.sharded_kv import ShardedAttentionMetadata
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
@@ -22,7 +23,7 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class ForwardContext:
-    attn_metadata: AttentionMetadata
+    attn_metadata: AttentionMetadata | ShardedAttentionMetadata
     backends: dict[str, type[AttentionBackend]]  # attention kind -> backend
     # new K/V of this rank -> the tensor whose rows attn_metadata.write_rows index (PCP all-gather)
     gather_kv: Callable[[torch.Tensor], torch.Tensor] = _identity
@@ -32,7 +33,7 @@ _CURRENT: ForwardContext | None = None
 
 
 @contextmanager
-def forward_context(meta: AttentionMetadata, backends: dict[str, type[AttentionBackend]],
+def forward_context(meta: AttentionMetadata | ShardedAttentionMetadata, backends: dict[str, type[AttentionBackend]],
                     gather_kv: Callable[[torch.Tensor], torch.Tensor] = _identity) -> Iterator[None]:
     global _CURRENT
     if _CURRENT is not None:

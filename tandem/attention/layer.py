@@ -11,6 +11,7 @@ from torch import nn
 
 from tandem.attention.forward_context import get_forward_context
 from tandem.attention.mla import MLAUpProjection
+from tandem.attention.sharded_kv import ShardedAttentionMetadata
 from tandem.compilation import opaque_ops
 
 
@@ -38,8 +39,13 @@ class Attention(nn.Module):
         t = q.shape[0]
         # one gather for K and V: under PCP every rank writes every rank's prefill K/V into its cache
         kv = ctx.gather_kv(torch.cat((k, v), dim=-1)).view(-1, 2, self.num_kv_heads, self.head_dim)
-        out = ctx.backends[self.kind].forward(q.view(t, self.num_heads, self.head_dim), kv[:, 0], kv[:, 1],
-                                              self.kv_cache, ctx.attn_metadata, self.scale)
+        meta, backend = ctx.attn_metadata, ctx.backends[self.kind]
+        q = q.view(t, self.num_heads, self.head_dim)
+        if isinstance(meta, ShardedAttentionMetadata):  # owner-sharded KV: every rank's queries over own keys
+            o, lse = backend.forward_sharded(meta.gather_queries(q), kv[:, 0], kv[:, 1], self.kv_cache, meta,
+                                             self.scale)
+            return meta.merge(o, lse).to(q.dtype).reshape(t, self.num_heads * self.head_dim)
+        out = backend.forward(q, kv[:, 0], kv[:, 1], self.kv_cache, meta, self.scale)
         return out.reshape(t, self.num_heads * self.head_dim)
 
 
@@ -81,6 +87,10 @@ class MLAAttention(nn.Module):
         up = MLAUpProjection(w_uk=w[:, : self.nope_dim], w_uv=w[:, self.nope_dim:],  # [H, nope, L], [H, v, L]
                              w_kv_b=kv_b_weight)
         entries = ctx.gather_kv(torch.cat((kv_c, k_pe), dim=-1))  # [T (or P * max_local under PCP), L + rope]
-        out = ctx.backends[self.kind].forward_mla(q_nope, q_pe, entries, self.kv_cache, ctx.attn_metadata,
-                                                  self.scale, up)  # [T, H, v]
+        meta, backend = ctx.attn_metadata, ctx.backends[self.kind]
+        if isinstance(meta, ShardedAttentionMetadata):  # owner-sharded KV: every rank's queries over own latents
+            q = meta.gather_queries(torch.cat((q_nope, q_pe), dim=-1))  # [T_global, H, nope + rope]
+            o, lse = backend.forward_mla_sharded(q, entries, self.kv_cache, meta, self.scale, up)
+            return meta.merge(o, lse).to(q_nope.dtype).reshape(q_nope.shape[0], self.num_heads * self.v_dim)
+        out = backend.forward_mla(q_nope, q_pe, entries, self.kv_cache, meta, self.scale, up)  # [T, H, v]
         return out.reshape(q_nope.shape[0], self.num_heads * self.v_dim)

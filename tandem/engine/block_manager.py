@@ -3,6 +3,11 @@
 A full block's hash chains its parent's hash with its token ids, so equal hashes mean equal
 prefixes. Freed blocks keep their hash and go to the back of the free queue: they can be revived
 by a later prefix hit until they are handed out again (then their hash is forgotten).
+
+With owner-sharded PCP KV (`num_pools` = P) the pool is P per-rank pools: global block id b is local block
+b // P of rank b % P (tandem/worker/pcp_kv.py), and a request's j-th block comes from pool j % P, so a request
+of n blocks takes ceil(n / P) from the fullest rank; an allocation fails (and the scheduler preempts) when any
+pool it needs is short. With one pool this is the plain allocator.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tandem.engine.request import Request
+from tandem.worker.pcp_kv import block_pool, owner_rank
 
 
 @dataclass
@@ -27,15 +33,19 @@ def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-                 drop_last_hit_block: bool = False):
+                 drop_last_hit_block: bool = False, num_pools: int = 1):
+        if num_pools < 1 or num_blocks % num_pools:
+            raise ValueError(f"num_blocks={num_blocks} must be a positive multiple of num_pools={num_pools}")
         self.block_size = block_size
+        self.num_pools = num_pools
         self.enable_prefix_caching = enable_prefix_caching
         # An MTP layer's cache entry at position p was computed from token p + 1, so the last position of a hit
         # prefix holds the cached request's next token, not necessarily this one's: with an MTP drafter the last
         # matched block is recomputed instead (as vLLM does for EAGLE/MTP).
         self.drop_last_hit_block = drop_last_hit_block
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_ids: deque[int] = deque(range(num_blocks))
+        # per pool, its free global ids (pool p holds ids p, p + P, p + 2P, ...)
+        self.free_ids: list[deque[int]] = [deque(range(p, num_blocks, num_pools)) for p in range(num_pools)]
         self.hash_to_block: dict[int, int] = {}
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
@@ -46,7 +56,10 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_ids)
+        return sum(len(q) for q in self.free_ids)
+
+    def pool_free_blocks(self) -> list[int]:
+        return [len(q) for q in self.free_ids]
 
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
@@ -86,19 +99,23 @@ class BlockManager:
     def _acquire(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:
-            self.free_ids.remove(block_id)
+            self.free_ids[owner_rank(block_id, self.num_pools)].remove(block_id)
         block.ref_count += 1
 
     def allocate(self, req: Request, num_tokens: int) -> bool:
-        """Grow req.block_ids to hold num_tokens slots; False (nothing changed) if the pool is short."""
+        """Grow req.block_ids to hold num_tokens slots; False (nothing changed) if a pool is short."""
         need = self.blocks_needed(req, num_tokens)
-        if need > len(self.free_ids):
+        first = len(req.block_ids)
+        pools = [block_pool(j, self.num_pools) for j in range(first, first + need)]
+        counts = [pools.count(p) for p in range(self.num_pools)]
+        if any(n > len(q) for n, q in zip(counts, self.free_ids, strict=True)):
             return False
         # The popped ids are sorted: freed requests return their blocks tail first, so the queue holds them in
         # descending runs, and ascending ids put a request's keys back to back in the pool, where attention
         # reads them in place (tandem/attention/backends/prefix.py) instead of gathering them.
-        for block_id in sorted(self.free_ids.popleft() for _ in range(need)):
-            block = self.blocks[block_id]
+        taken = [sorted(q.popleft() for _ in range(n)) for n, q in zip(counts, self.free_ids, strict=True)]
+        for pool in pools:
+            block = self.blocks[taken[pool].pop(0)]
             if block.hash is not None and self.hash_to_block.get(block.hash) == block.block_id:
                 del self.hash_to_block[block.hash]
             block.hash, block.token_ids, block.ref_count = None, (), 1
@@ -128,7 +145,7 @@ class BlockManager:
         block = self.blocks[block_id]
         block.ref_count -= 1
         if block.ref_count == 0:
-            self.free_ids.append(block_id)
+            self.free_ids[owner_rank(block_id, self.num_pools)].append(block_id)
 
     def free(self, req: Request) -> None:
         # Tail blocks first, so the least reusable part of a prefix is evicted first.

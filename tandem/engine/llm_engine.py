@@ -8,7 +8,7 @@ import random
 import time
 
 from tandem.attention.backend import select_target_backends
-from tandem.config import ConfigError, EngineConfig
+from tandem.config import ConfigError, EngineConfig, kv_pools
 from tandem.engine.metrics import Counter, EngineStats, Gauge, Metric, Vector
 from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.parallel_sampling import ParentRequest, child_id, child_params
@@ -38,19 +38,24 @@ class LLMEngine:
         self.spec = config.speculative_config
         self.draft_mode = resolve_draft_mode(config)
         self.executor = _make_executor(config)
-        num_blocks = self.executor.num_kv_blocks
+        # sharded PCP KV: every rank holds its own pool of num_kv_blocks; the scheduler sees all P pools
+        pools = kv_pools(config)
+        num_blocks = self.executor.num_kv_blocks * pools
         capacity = num_blocks * config.cache_config.block_size
         if capacity < config.model_config.max_model_len:
-            raise ConfigError(f"the KV cache holds {capacity} tokens ({num_blocks} blocks), fewer than "
-                              f"max_model_len={config.model_config.max_model_len}: lower max_model_len or "
-                              "give the cache more memory (kv_cache_memory_bytes / num_gpu_blocks)")
+            per_rank = f" ({pools} ranks x {num_blocks // pools})" if pools > 1 else ""
+            raise ConfigError(f"the KV cache holds {capacity} tokens ({num_blocks} blocks{per_rank}), fewer than "
+                              f"max_model_len={config.model_config.max_model_len}: lower max_model_len, "
+                              "give the cache more memory (kv_cache_memory_bytes / num_gpu_blocks)"
+                              + ("" if pools > 1 or config.parallel_config.prefill_context_parallel_size == 1
+                                 else " or shard the KV over the PCP ranks (pcp_kv_layout='sharded')"))
         if self.spec.enabled:
             logger.info("speculative decoding: %s, draft mode %s (%s)", self.spec.method, self.draft_mode.mode,
                         self.draft_mode.reason)
         self.spec_stats = SpecDecodeStats()
         self.policy = SpecPolicy(self.spec.max_k) if self.spec.enabled and self.spec.auto else None
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, config.model_config, num_blocks,
-                                   self.spec, self.policy)
+                                   self.spec, self.policy, num_kv_pools=pools)
         if self.policy is not None:  # seed its cost models; the next plan frees the synthetic rows on every rank
             self.scheduler.release(calibrate(self.policy, self.executor.execute, config, num_blocks))
         self.requests: dict[str, Request] = {}

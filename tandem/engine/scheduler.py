@@ -19,14 +19,16 @@ from tandem.spec_decode.policy import RunningRow, SpecPolicy
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, model_config: ModelConfig,
-                 num_blocks: int, spec_config: SpeculativeConfig | None = None, policy: SpecPolicy | None = None):
+                 num_blocks: int, spec_config: SpeculativeConfig | None = None, policy: SpecPolicy | None = None,
+                 num_kv_pools: int = 1):
         self.config = scheduler_config
         self.spec = spec_config or SpeculativeConfig()
         self.policy = policy  # num_speculative_tokens "auto": picks K each step
         self.lookahead = self.spec.num_lookahead_slots
         self.max_model_len = model_config.max_model_len
         self.block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
-                                          drop_last_hit_block=self.spec.drops_last_prefix_hit_block)
+                                          drop_last_hit_block=self.spec.drops_last_prefix_hit_block,
+                                          num_pools=num_kv_pools)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0

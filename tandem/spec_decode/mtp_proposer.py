@@ -24,11 +24,13 @@ import torch
 from tandem.attention.backend import AttentionBackend
 from tandem.attention.forward_context import forward_context
 from tandem.attention.metadata import PAD_SLOT_ID, AttentionMetadata, build_attention_metadata
+from tandem.attention.sharded_kv import ShardedAttentionMetadata
 from tandem.engine.step_plan import StepPlan
 from tandem.models.mtp import DeepSeekMTP
 from tandem.spec_decode.draft_sampling import pack_drafts, sample_draft
 from tandem.spec_decode.proposer import Proposal, TargetStep
 from tandem.worker.input_batch import InputBatch, global_attention_metadata
+from tandem.worker.pcp_hooks import PCPHooks, ShardedKVPCPHooks
 
 
 class MTPProposer:
@@ -85,7 +87,9 @@ class MTPProposer:
                                      self.probabilistic)
         drafts, draft_probs = [tokens], [probs]
         num_rows = len(last_idx)
-        decode = DraftDecodeMetadata(plan, batch, self.block_size, self.max_model_len, max_seq_len)
+        # a sharded drafter's own KV is sharded like the target's: its decodes attend over owned keys too
+        kv_shard = step.pcp if self.sharded and step.pcp.kv_sharded else None
+        decode = DraftDecodeMetadata(plan, batch, self.block_size, self.max_model_len, max_seq_len, kv_shard)
         for i in range(1, k):
             step_pos = positions + i
             ids, pos, fb = self._pad_decode(drafts[-1], step_pos.clamp(max=self.max_model_len - 1), feedback)
@@ -151,8 +155,10 @@ class DraftDecodeMetadata:
     A slot beyond a row's reserved blocks (or max_model_len) writes nothing. `max_seq_len` bounds the keys any
     row may read; a row beyond it is a bug, never a silent truncation."""
 
-    def __init__(self, plan: StepPlan, batch: InputBatch, block_size: int, max_model_len: int, max_seq_len: int):
+    def __init__(self, plan: StepPlan, batch: InputBatch, block_size: int, max_model_len: int, max_seq_len: int,
+                 kv_shard: PCPHooks | None = None):
         self.block_size, self.max_model_len, self.max_seq_len = block_size, max_model_len, max_seq_len
+        self.kv_shard = kv_shard  # sharded KV (ShardedKVPCPHooks): rows over this rank's own keys, merged
         self.table = batch.block_table[batch.sample_rows]  # [S, max_blocks]
         device = self.table.device
         self.num_blocks = torch.tensor([len(plan.rows[i].block_ids) for i in batch.sample_rows], device=device)
@@ -160,7 +166,7 @@ class DraftDecodeMetadata:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32)
         self.base: AttentionMetadata | None = None
 
-    def at(self, positions: torch.Tensor) -> AttentionMetadata:
+    def at(self, positions: torch.Tensor) -> AttentionMetadata | ShardedAttentionMetadata:
         """positions: [S] of this decode's tokens -> its metadata."""
         block_idx = positions // self.block_size
         valid = (block_idx < self.num_blocks) & (positions < self.max_model_len)
@@ -175,6 +181,10 @@ class DraftDecodeMetadata:
             raise RuntimeError(f"draft attention bound {self.max_seq_len} does not cover a draft row of "
                                f"{int(seq_lens.max())} keys")
         write_rows = writes.nonzero().squeeze(1)
+        if isinstance(self.kv_shard, ShardedKVPCPHooks):  # replicated rows: no query gather, every row merged
+            return self.kv_shard.rows_metadata(
+                clamped.cpu().numpy(), self.query_start_loc.numpy(), seq_lens.numpy(), self.table.cpu().numpy(),
+                write_rows.cpu().numpy(), slots[writes].cpu().numpy(), positions.shape[0], clamped.device)
         if self.base is None:
             self.base = build_attention_metadata(clamped, self.query_start_loc, seq_lens, self.table,
                                                  self.block_size, write_rows, slots[writes], key_bound=self.max_seq_len)

@@ -8,6 +8,7 @@ import torch
 
 from tandem.attention.backend import select_target_backends
 from tandem.attention.forward_context import forward_context
+from tandem.attention.layer import Attention, MLAAttention
 from tandem.compilation.compile import compile_model
 from tandem.config import EngineConfig
 from tandem.distributed.groups import SINGLE_RANK, ParallelGroups
@@ -19,7 +20,7 @@ from tandem.spec_decode.factory import build_proposer
 from tandem.spec_decode.proposer import Proposer, TargetStep
 from tandem.spec_decode.rejection_sampler import rejection_sample
 from tandem.worker.input_batch import InputBuffers, global_attention_metadata, padding_batch, prepare_inputs
-from tandem.worker.kv_cache import allocate_kv_caches, bytes_per_block
+from tandem.worker.kv_cache import allocate_kv_caches, attention_modules, bytes_per_block
 from tandem.worker.pcp_hooks import LocalBatch, make_pcp_hooks
 
 
@@ -32,8 +33,11 @@ class ModelRunner:
         self.model = build_model(config.model_config, groups, self.device,
                                  with_mtp=config.speculative_config.uses_mtp_layers)
         self.backends = select_target_backends(config)
-        self.pcp = make_pcp_hooks(groups.pcp, self.block_size)
         self.draft_mode = resolve_draft_mode(config)
+        self.pcp = make_pcp_hooks(groups.pcp, self.block_size, config.parallel_config.pcp_kv_layout)
+        # sharded KV: the target's cache (and a sharded MTP drafter's) holds this rank's pool of blocks, a
+        # replicated drafter's cache every rank's (DESIGN §5's KV-placement column)
+        self.kv_pools = groups.pcp.size if self.pcp.kv_sharded else 1
         self.compilation = config.compilation_config
         self.inputs = InputBuffers(max(config.scheduler_config.max_num_batched_tokens,
                                        max(self.compilation.capture_sizes)), self.device)
@@ -49,15 +53,30 @@ class ModelRunner:
         if cache.num_gpu_blocks is not None:
             return cache.num_gpu_blocks
         dtype = self.config.model_config.dtype
-        per_block = bytes_per_block(self.model, self.backends, self.block_size, dtype)
-        per_block += self.proposer.kv_bytes_per_block(self.block_size, dtype)  # a drafter's own cache shares the pool
+        replicated = self._replicated_kv_modules()
+        own = [m for m in attention_modules(self.model) if m not in replicated]
+        per_block = bytes_per_block(own, self.backends, self.block_size, dtype)
+        # a drafter's own cache shares the pool; replicated beside sharded KV, it holds every rank's blocks
+        per_block += self.kv_pools * (bytes_per_block(replicated, self.backends, self.block_size, dtype)
+                                      + self.proposer.kv_bytes_per_block(self.block_size, dtype))
         return max(1, cache.kv_cache_memory_bytes // max(per_block, 1))
 
+    def _replicated_kv_modules(self) -> list[Attention | MLAAttention]:
+        """Attention modules whose cache holds every rank's blocks under sharded KV: a replicated MTP drafter's."""
+        mtp = getattr(self.model, "mtp", None)
+        if not self.pcp.kv_sharded or mtp is None or self.draft_mode.mode == "sharded":
+            return []
+        return attention_modules(mtp)
+
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        """`num_blocks`: this rank's pool (the same on every rank)."""
         self.num_blocks = num_blocks
         dtype = self.config.model_config.dtype
-        allocate_kv_caches(self.model, self.backends, num_blocks, self.block_size, dtype, self.device)
-        self.proposer.allocate_kv_cache(num_blocks, self.block_size, dtype, self.device)
+        replicated = self._replicated_kv_modules()
+        own = [m for m in attention_modules(self.model) if m not in replicated]
+        allocate_kv_caches(own, self.backends, num_blocks, self.block_size, dtype, self.device)
+        allocate_kv_caches(replicated, self.backends, num_blocks * self.kv_pools, self.block_size, dtype, self.device)
+        self.proposer.allocate_kv_cache(num_blocks * self.kv_pools, self.block_size, dtype, self.device)
         if self.compilation.pads or self.compilation.compiles:
             self.warmup()
 

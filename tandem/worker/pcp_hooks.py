@@ -8,11 +8,14 @@ never asks which layout it runs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tandem.attention.metadata import AttentionMetadata, build_attention_metadata
+from tandem.attention.sharded_kv import ShardedAttentionMetadata, merge_partials
 from tandem.distributed.groups import Group
 from tandem.worker.input_batch import InputBatch, global_attention_metadata
 from tandem.worker.pcp import (
@@ -25,20 +28,24 @@ from tandem.worker.pcp import (
     row_gather,
     select_rows,
 )
+from tandem.worker.pcp_kv import owned_rows, owned_writes
 
 
 @dataclass
 class LocalBatch:
     input_ids: torch.Tensor  # [T_r] int64
     positions: torch.Tensor  # [T_r] int64
-    attn_metadata: AttentionMetadata
+    attn_metadata: AttentionMetadata | ShardedAttentionMetadata
 
 
 class PCPHooks:
     """The interface, and its PCP size 1 implementation: the rank's view is the global batch."""
 
+    kv_sharded = False  # pcp_kv_layout sharded: each token's K/V on one rank (ShardedKVPCPHooks)
+
     def __init__(self, pcp: Group, block_size: int):
         self.pcp, self.block_size = pcp, block_size
+        self.bytes_gathered = 0  # bytes this rank received from all-gathers so far (benchmarks read it)
 
     def maybe_partition(self, batch: InputBatch) -> LocalBatch:
         return LocalBatch(batch.input_ids, batch.positions, global_attention_metadata(batch, self.block_size))
@@ -100,13 +107,17 @@ class PartitionedPCPHooks(PCPHooks):
     def mask_padding(self, hidden: torch.Tensor, batch: InputBatch) -> torch.Tensor:
         return hidden  # padding is on no rank's segments
 
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        self.bytes_gathered += x.numel() * x.element_size() * self.pcp.size
+        return self.pcp.all_gather(x)
+
     def gather_kv(self, x: torch.Tensor) -> torch.Tensor:
         assert self.part is not None
-        return self.pcp.all_gather(pad_local(x, self.part))
+        return self.all_gather(pad_local(x, self.part))
 
     def maybe_restore(self, hidden: torch.Tensor) -> torch.Tensor:
         assert self.part is not None
-        return restore(self.pcp.all_gather(pad_local(hidden, self.part)), self.part)
+        return restore(self.all_gather(pad_local(hidden, self.part)), self.part)
 
     def num_gathered_rows(self) -> int:
         assert self.part is not None
@@ -119,8 +130,73 @@ class PartitionedPCPHooks(PCPHooks):
         plan = row_gather(self.part, torch.as_tensor(rows).cpu().numpy())
         if plan.max_rows == 0:  # no rows, or padding rows only: every rank knows it, so none all-gathers
             return hidden.new_zeros((len(plan.out_idx), *hidden.shape[1:]))
-        return restore_rows(self.pcp.all_gather(select_rows(hidden, plan, self.pcp.rank)), plan)
+        return restore_rows(self.all_gather(select_rows(hidden, plan, self.pcp.rank)), plan)
 
 
-def make_pcp_hooks(pcp: Group, block_size: int) -> PCPHooks:
-    return PartitionedPCPHooks(pcp, block_size) if pcp.size > 1 else PCPHooks(pcp, block_size)
+class ShardedKVPCPHooks(PartitionedPCPHooks):
+    """PCP size > 1 with pcp_kv_layout sharded: the same query partition, but a token's K/V is written only on
+    the rank that owns its block (worker/pcp_kv.py), and attention runs every query of the step over each rank's
+    own keys, merging the partials by LSE (attention/sharded_kv.py)."""
+
+    kv_sharded = True
+
+    def maybe_partition(self, batch: InputBatch) -> LocalBatch:
+        real_slots = batch.slot_mapping[: batch.num_tokens - batch.num_padding]  # padding never writes
+        writes = (real_slots >= 0).cpu().numpy()
+        part = partition(batch.query_start_loc_np, batch.is_prefill_cpu.numpy(), self.pcp.size, batch.num_padding)
+        positions = batch.positions.cpu().numpy()
+        view = local_metadata(part, self.pcp.rank, positions, batch.block_table.cpu().numpy())
+        device = batch.input_ids.device
+        self.token_idx = torch.from_numpy(view.token_idx).to(device)
+        self.part = part
+        # decodes only: every rank holds every token in global order already, so the queries need no gather
+        gather_queries = self._gather_queries if bool(batch.is_prefill_cpu.any()) else self._pad_queries
+        meta = self.rows_metadata(positions, batch.query_start_loc_np, batch.seq_lens_cpu.numpy(),
+                                  batch.block_table.cpu().numpy(), part.kv_write_idx[writes],
+                                  real_slots.cpu().numpy()[writes], batch.num_tokens, device, gather_queries,
+                                  self._merge_local)
+        return LocalBatch(batch.input_ids[self.token_idx], torch.from_numpy(view.positions).to(device), meta)
+
+    def rows_metadata(self, positions: np.ndarray, query_start_loc: np.ndarray, seq_lens: np.ndarray,
+                      block_table: np.ndarray, write_rows: np.ndarray, write_slots: np.ndarray, num_queries: int,
+                      device: torch.device | str, gather_queries: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                      merge: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+                      ) -> ShardedAttentionMetadata:
+        """Sharded metadata of global rows (default: rows replicated on every rank, e.g. MTP's draft decodes,
+        whose queries need no gather and whose merged output is every row's). write_slots are global."""
+        keep, local = owned_writes(write_slots, self.block_size, self.pcp.rank, self.pcp.size)
+        rows = owned_rows(positions, query_start_loc, seq_lens, block_table, self.block_size, self.pcp.rank,
+                          self.pcp.size, device, in_place=torch.device(device).type == "cpu")
+        return ShardedAttentionMetadata(
+            rows=rows, num_queries=num_queries,
+            write_rows=torch.from_numpy(np.asarray(write_rows, dtype=np.int64)[keep]).to(device),
+            write_slots=torch.from_numpy(local.astype(np.int64)).to(device),
+            gather_queries=gather_queries or (lambda q: q), merge=merge or self._merge_all)
+
+    def _gather_queries(self, q: torch.Tensor) -> torch.Tensor:
+        assert self.part is not None
+        return restore(self.all_gather(pad_local(q, self.part)), self.part)  # [T_global(+padding), ...]
+
+    def _pad_queries(self, q: torch.Tensor) -> torch.Tensor:
+        assert self.part is not None
+        num_pad = self.part.num_tokens + self.part.num_padding - q.shape[0]
+        return torch.cat((q, q.new_zeros(num_pad, *q.shape[1:]))) if num_pad else q
+
+    def _gather_partials(self, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # one all-gather of [T, H, Dv + 1] float32 -> ([P, T, H, Dv], [P, T, H])
+        packed = self.all_gather(torch.cat((out.float(), lse[..., None]), dim=-1))
+        packed = packed.view(self.pcp.size, *out.shape[:-1], out.shape[-1] + 1)
+        return packed[..., :-1], packed[..., -1]
+
+    def _merge_local(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        outs, lses = self._gather_partials(out, lse)
+        return merge_partials(outs[:, self.token_idx], lses[:, self.token_idx])  # [T_r, H, Dv]
+
+    def _merge_all(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        return merge_partials(*self._gather_partials(out, lse))
+
+
+def make_pcp_hooks(pcp: Group, block_size: int, kv_layout: str = "replicated") -> PCPHooks:
+    if pcp.size == 1:
+        return PCPHooks(pcp, block_size)  # one rank owns every block: the layouts coincide
+    return ShardedKVPCPHooks(pcp, block_size) if kv_layout == "sharded" else PartitionedPCPHooks(pcp, block_size)

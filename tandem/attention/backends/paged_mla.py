@@ -15,6 +15,14 @@ from tandem.attention.backend import AttentionBackend, register_backend
 from tandem.attention.backends.prefix import prefix_attention, write_kv
 from tandem.attention.metadata import AttentionMetadata, gather_rows
 from tandem.attention.mla import MLAUpProjection, absorb, long_row_attention, prefers_expanded, up_project
+from tandem.attention.sharded_kv import (
+    SHORT_ROW_QUERIES,
+    OwnedRow,
+    ShardedAttentionMetadata,
+    long_owned_attention,
+    owned_attention,
+    sharded_partials,
+)
 
 
 @register_backend
@@ -25,6 +33,10 @@ class PagedMLABackend(AttentionBackend):
     @classmethod
     def supports_pcp(cls) -> bool:
         return True  # every row's prefix is read back from the cache after the write
+
+    @classmethod
+    def supports_kv_sharding(cls) -> bool:
+        return True
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: int) -> tuple[int, ...]:
@@ -54,3 +66,27 @@ class PagedMLABackend(AttentionBackend):
             long_row_attention(q_nope, q_pe, latent, lr.pieces, scale, up,
                                prefers_expanded(lr.num_queries, lr.seq_len, up, q_pe.shape[-1]), out)
         return out
+
+    @staticmethod
+    def forward_mla_sharded(q: torch.Tensor, entries: torch.Tensor, kv_cache: torch.Tensor,
+                            meta: ShardedAttentionMetadata, scale: float,
+                            up: MLAUpProjection) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [T_global, H, nope + rope] every query of the step; entries: [num gathered, L + rope] new latents
+        cache_flat = kv_cache.flatten(0, 1)  # [num_local_slots, L + R]
+        write_kv(cache_flat, entries, meta)
+        heads, nope, lora = up.w_uk.shape
+        rope = q.shape[-1] - nope
+        lat = cache_flat.unsqueeze(1)  # [num_local_slots, 1, L + R]: MQA, the values are the keys' first L
+
+        def row_attention(row: OwnedRow, qr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            num_keys = row.num_shared + row.diag_slots.shape[0]
+            if row.num_queries > SHORT_ROW_QUERIES and prefers_expanded(row.num_queries, num_keys, up, rope):
+                latent = torch.cat((cache_flat.index_select(0, row.shared_slots()),
+                                    cache_flat.index_select(0, row.diag_slots))).to(q.dtype)  # [S, L + R]
+                kv = torch.matmul(latent[:, :lora], up.kv_b().t()).view(-1, heads, nope + up.w_uv.shape[1])
+                k = torch.cat((kv[..., :nope], latent[:, None, lora:].expand(-1, heads, -1)), dim=-1)  # [S, H, D]
+                return long_owned_attention(qr, k, kv[..., nope:], row.num_shared, row, scale)
+            o_latent, lse = owned_attention(absorb(qr[..., :nope], qr[..., nope:], up), lat, None, row, scale, lora)
+            return up_project(o_latent, up), lse
+
+        return sharded_partials(meta, q, row_attention, up.w_uv.shape[1])

@@ -7,6 +7,7 @@ import torch
 from tandem.attention.backend import AttentionBackend, register_backend
 from tandem.attention.backends.prefix import prefix_attention, write_kv
 from tandem.attention.metadata import AttentionMetadata
+from tandem.attention.sharded_kv import ShardedAttentionMetadata, owned_attention, sharded_partials
 
 
 @register_backend
@@ -17,6 +18,10 @@ class PagedSDPABackend(AttentionBackend):
     @classmethod
     def supports_pcp(cls) -> bool:
         return True  # every row's prefix is read back from the cache after the write
+
+    @classmethod
+    def supports_kv_sharding(cls) -> bool:
+        return True
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -32,3 +37,14 @@ class PagedSDPABackend(AttentionBackend):
         write_kv(k_flat, k, meta)
         write_kv(v_flat, v, meta)
         return prefix_attention(q, k_flat, v_flat, meta, scale)
+
+    @staticmethod
+    def forward_sharded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                        meta: ShardedAttentionMetadata, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [T_global, Hq, D]; k, v: [num gathered, Hkv, D] -> partial over the owned keys
+        k_flat = kv_cache[0].flatten(0, 1)  # [num_local_slots, Hkv, D]
+        v_flat = kv_cache[1].flatten(0, 1)
+        write_kv(k_flat, k, meta)
+        write_kv(v_flat, v, meta)
+        dv = v_flat.shape[-1]
+        return sharded_partials(meta, q, lambda row, qr: owned_attention(qr, k_flat, v_flat, row, scale, dv), dv)

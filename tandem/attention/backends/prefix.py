@@ -16,9 +16,10 @@ import torch.nn.functional as F
 
 from tandem.attention.causal_rows import causal_row_attention
 from tandem.attention.metadata import AttentionMetadata, RowKeys, gather_rows
+from tandem.attention.sharded_kv import ShardedAttentionMetadata
 
 
-def write_kv(cache_flat: torch.Tensor, new: torch.Tensor, meta: AttentionMetadata) -> None:
+def write_kv(cache_flat: torch.Tensor, new: torch.Tensor, meta: AttentionMetadata | ShardedAttentionMetadata) -> None:
     # cache_flat: [num_slots, ...]; new: [num_tokens, ...]
     if meta.write_rows.numel():
         cache_flat[meta.write_slots] = new[meta.write_rows].to(cache_flat.dtype)

@@ -1,0 +1,197 @@
+"""Attention over owner-sharded KV (`pcp_kv_layout: sharded`): each rank attends every query of the step over
+the keys it owns, and the P partial results are merged exactly by their log-sum-exp.
+
+Under the sharded layout a token's K/V (GQA K/V, MLA latent) lives only on the rank that owns its KV block
+(tandem/worker/pcp_kv.py). A query needs keys from every rank, so the step's queries are passed instead of the
+keys: each rank all-gathers the step's queries (prompt chunks are split over the ranks by DualChunkSwap; decode
+and verification rows are already on every rank, and a step of decodes only gathers nothing), attends all of
+them over its own keys, and all-gathers the partial outputs with their LSE; each rank merges the P partials of
+its own query rows (softmax over the union of disjoint key sets is the LSE-weighted mix of the parts' softmaxes,
+tandem/attention/causal_rows.py). Every key is read once per layer on one rank, so attention work and KV memory
+are split over the ranks; the query tokens' own new K/V still cross ranks once (the owner writes them).
+
+Bytes all-gathered per layer per step (P ranks, T_r local tokens padded to M = max_r T_r, T = global tokens):
+
+    replicated  P M (kv width)                                     new K/V (GQA 2 Hkv D, MLA L + rope)
+    sharded     P M (kv width) + P M Hq Dq [steps with prompt rows] + P T Hq (Dv + 1) 4 bytes [partials, fp32]
+
+where Dq is the query width the backend attends with (GQA D, MLA nope + rope) and Dv its output width (GQA D,
+MLA v: partials are merged after W_UV, which is linear). The partials cost more bytes than the keys at short
+contexts and far fewer than the keys a query sees at long ones; what the layout buys is memory.
+
+A row's owned keys split at its first query position p: `shared` keys (positions < p) are seen by every query of
+the row, unmasked; `diag` keys (positions >= p, the row's own new tokens this rank owns) are masked by position,
+query at position q sees key at position k iff k <= q. A query that sees no key on this rank has LSE -inf there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tandem.attention.causal_rows import attention_with_lse
+
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class OwnedRow:
+    """One global row's keys owned by this rank. Queries are global tokens [token_start, token_start + Q) at
+    consecutive positions; `runs` and `gathered` hold the shared keys (read in place as views / gathered), `diag`
+    the masked ones."""
+
+    token_start: int
+    num_queries: int
+    runs: tuple[tuple[int, int], ...]  # (first local slot, number of keys): contiguous shared keys, read in place
+    gathered: torch.Tensor  # [n_g] int64 local slots of the other shared keys
+    diag_slots: torch.Tensor  # [n_d] int64 local slots of owned keys at positions >= the first query's
+    diag_visible: torch.Tensor  # [Q, n_d] bool, query i may see diag key j
+    diag_bias: torch.Tensor | None  # [Q, n_d] 0 / -inf, the same mask for the flash kernel (long rows only)
+
+    @property
+    def num_shared(self) -> int:
+        return sum(n for _, n in self.runs) + self.gathered.shape[0]
+
+    def shared_slots(self) -> torch.Tensor:
+        """[n_shared] every shared key's local slot, runs first (one gather for a long row's keys)."""
+        parts = [torch.arange(a, a + n, dtype=torch.int64, device=self.gathered.device) for a, n in self.runs]
+        return torch.cat([*parts, self.gathered]) if parts else self.gathered
+
+
+@dataclass
+class ShardedAttentionMetadata:
+    """This rank's view of a step under the sharded KV layout: every global row, over the keys the rank owns.
+    `gather_queries` takes the layer's local queries [T_r, ...] to the global [num_queries, ...]; `merge` takes
+    the partial (out [num_queries, H, Dv], lse [num_queries, H]) of every rank to this rank's [T_r, H, Dv]."""
+
+    rows: list[OwnedRow]
+    num_queries: int  # global query tokens (graph padding included: their partials are empty)
+    write_rows: torch.Tensor  # [num_writes] int64 rows of the (gathered) new K/V this rank writes: the ones it owns
+    write_slots: torch.Tensor  # [num_writes] int64 their LOCAL cache slots
+    gather_queries: Callable[[torch.Tensor], torch.Tensor]
+    merge: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def merge_partials(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """out: [N, ..., Dv] partial outputs of the same queries over N disjoint key sets; lse: [N, ...] (-inf: the
+    part saw no key) -> [..., Dv] float32, the attention over the union (zero where no part saw a key)."""
+    m = lse.max(dim=0).values
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = (lse - m).exp()  # [N, ...], exactly 0 for an empty part
+    total = w.sum(dim=0)
+    return (out.float() * w[..., None]).sum(dim=0) / total.clamp(min=torch.finfo(torch.float32).tiny)[..., None]
+
+
+def owned_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor | None, row: OwnedRow,
+                    scale: float, dv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row: q [Q, Hq, Dk] over its owned keys in the cache k_flat [num_slots, Hkv, Dk] (v_flat, or the keys'
+    first dv channels when None) -> (out [Q, Hq, dv], lse [Q, Hq] float32)."""
+    if row.num_queries > SHORT_ROW_QUERIES:
+        shared = row.shared_slots()
+        keys = torch.cat((k_flat.index_select(0, shared), k_flat.index_select(0, row.diag_slots)))
+        values = keys[..., :dv] if v_flat is None else torch.cat(
+            (v_flat.index_select(0, shared), v_flat.index_select(0, row.diag_slots)))
+        return long_owned_attention(q, keys.to(q.dtype), values.to(q.dtype), shared.shape[0], row, scale)
+    return short_owned_attention(q, k_flat, v_flat, row, scale, dv)
+
+
+SHORT_ROW_QUERIES = 16  # as SHORT_ROW_TOKENS: decode and verification rows
+
+
+def short_owned_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor | None, row: OwnedRow,
+                          scale: float, dv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode or verification row by explicit scores, the shared runs read in place (as in_place_row_attention):
+    the r = Hq / Hkv query heads of a KV head folded into the query axis."""
+    n, hq, _ = q.shape
+    hkv = k_flat.shape[1]
+    r = hq // hkv
+    qf = q.reshape(n, hkv, r, -1).permute(1, 2, 0, 3).reshape(hkv, r * n, -1)  # [Hkv, r n, Dk]
+    idx = torch.cat((row.gathered, row.diag_slots))
+    keys = [k_flat[a: a + m] for a, m in row.runs] + [k_flat.index_select(0, idx)]  # each [s, Hkv, Dk]
+    if v_flat is None:
+        values = [k[..., :dv] for k in keys]
+    else:
+        values = [v_flat[a: a + m] for a, m in row.runs] + [v_flat.index_select(0, idx)]
+    scores = torch.cat([torch.matmul(qf, k.to(q.dtype).permute(1, 2, 0)) for k in keys], dim=-1).float() * scale
+    n_d = row.diag_slots.shape[0]
+    if n_d:  # the diag keys are the last n_d
+        scores.view(hkv, r, n, -1)[..., -n_d:].masked_fill_(~row.diag_visible, NEG_INF)
+    lse = torch.logsumexp(scores, dim=-1)  # [Hkv, r n]
+    probs = (scores - torch.where(torch.isfinite(lse), lse, 0)[..., None]).exp().to(q.dtype)
+    out, start = None, 0
+    for v in values:
+        s = v.shape[0]
+        part = torch.matmul(probs[..., start: start + s], v.to(q.dtype).transpose(0, 1))  # [Hkv, r n, Dv]
+        out = part if out is None else out + part
+        start += s
+    assert out is not None
+    out = out.view(hkv, r, n, -1).permute(2, 0, 1, 3).reshape(n, hq, -1)
+    return out, lse.view(hkv, r, n).permute(2, 0, 1).reshape(n, hq)
+
+
+def long_owned_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, num_shared: int,
+                         row: OwnedRow, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prompt-chunk row: q [Q, Hq, Dk]; keys [S, Hkv, Dk] / values [S, Hkv, Dv] its owned keys, the first
+    num_shared unmasked, the rest diag -> (out [Q, Hq, Dv], lse [Q, Hq]). Both parts run on the CPU flash kernel
+    (which returns the LSE); the diag part with the position mask as an additive bias."""
+    num_q, hq, _ = q.shape
+    hkv = keys.shape[1]
+    r = hq // hkv
+    outs, lses = [], []
+    if num_shared:  # unmasked: fold the r heads of a KV head into the query axis, K/V never repeated
+        qf = q.reshape(num_q, hkv, r, -1).permute(1, 2, 0, 3).reshape(1, hkv, r * num_q, -1)
+        o, lse = attention_with_lse(qf, keys[None, :num_shared].transpose(1, 2),
+                                    values[None, :num_shared].transpose(1, 2), scale, causal=False)
+        outs.append(o[0].reshape(hq, num_q, -1))
+        lses.append(lse[0].reshape(hq, num_q))
+    if keys.shape[0] > num_shared:
+        kd, vd = keys[num_shared:].transpose(0, 1), values[num_shared:].transpose(0, 1)  # [Hkv, n_d, D*]
+        if r > 1:
+            kd, vd = kd.repeat_interleave(r, dim=0), vd.repeat_interleave(r, dim=0)
+        o, lse = _masked_attention_with_lse(q.transpose(0, 1)[None], kd[None], vd[None], row, scale)
+        outs.append(o[0])
+        lses.append(lse[0])
+    if not outs:  # nothing owned below this row's last position: every query sees nothing here
+        return q.new_zeros(num_q, hq, values.shape[-1]), q.new_full((num_q, hq), NEG_INF, dtype=torch.float32)
+    out = merge_partials(torch.stack(outs), torch.stack(lses)).to(q.dtype) if len(outs) > 1 else outs[0]
+    lse = torch.logsumexp(torch.stack(lses), dim=0) if len(lses) > 1 else lses[0]
+    return out.transpose(0, 1), lse.transpose(0, 1)
+
+
+def _masked_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row: OwnedRow,
+                               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [1, H, Q, D] over the diag keys [1, H, n_d, D*] under the row's position mask; a query that sees no
+    diag key gets output 0 and LSE -inf (the flash kernel returns LSE 0 there)."""
+    if q.device.type == "cpu" and row.diag_bias is not None:
+        dv = v.shape[-1]
+        if dv != q.shape[-1]:
+            v = torch.nn.functional.pad(v, (0, q.shape[-1] - dv))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, attn_mask=row.diag_bias.to(q.dtype)[None, None], scale=scale)[:2]
+        out, lse = out[..., :dv], lse.float()
+    else:
+        scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+        scores = scores.masked_fill(~row.diag_visible, NEG_INF)
+        lse = torch.logsumexp(scores, dim=-1)
+        probs = (scores - torch.where(torch.isfinite(lse), lse, 0)[..., None]).exp()
+        out = torch.matmul(probs.to(v.dtype), v)
+    blind = ~row.diag_visible.any(dim=-1)  # [Q]
+    if bool(blind.any()):
+        lse = lse.masked_fill(blind, NEG_INF)
+        out = out.masked_fill(blind[:, None], 0)
+    return out, lse
+
+
+def sharded_partials(meta: ShardedAttentionMetadata, q: torch.Tensor,
+                     row_attention: Callable[[OwnedRow, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                     dv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run `row_attention(row, q_rows)` over every row of the global queries q [num_queries, Hq, ...] ->
+    (out [num_queries, Hq, dv] float32, lse [num_queries, Hq]); tokens in no row (padding) see nothing."""
+    out = q.new_zeros(q.shape[0], q.shape[1], dv, dtype=torch.float32)
+    lse = q.new_full((q.shape[0], q.shape[1]), NEG_INF, dtype=torch.float32)
+    for row in meta.rows:
+        rows = slice(row.token_start, row.token_start + row.num_queries)
+        out[rows], lse[rows] = row_attention(row, q[rows])
+    return out, lse

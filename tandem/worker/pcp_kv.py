@@ -1,0 +1,102 @@
+"""Owner-sharded KV under PCP (`pcp_kv_layout: sharded`) as index math: which rank holds a token's K/V, and a
+rank's attention rows over the keys it owns. No collectives here (they are in pcp_hooks.py).
+
+Ownership rule (pure): the paged cache is split in blocks of block_size tokens, and global block id b is local
+block b // P of rank b % P. A token's K/V lives on the rank that holds its block, so owner(b) = b % P decides
+every read and write, whoever allocated the block. The block manager gives a request's j-th block from rank
+j % P's pool (tandem/engine/block_manager.py): a request's keys, and its decode appends, go round-robin over the
+ranks, and a request of n blocks needs ceil(n / P) blocks on the fullest rank. Prefix-cache hits reuse a block
+at the same index j, so they keep the rule's balance.
+
+Worked example, P = 2, block_size 4: request A has 10 tokens (positions 0..9) in global blocks [6, 3, 8]
+(j = 0, 1, 2 from pools 0, 1, 0):
+    block 6 -> rank 0, local block 3 (local slots 12..15): positions 0..3
+    block 3 -> rank 1, local block 1 (local slots 4..7):   positions 4..7
+    block 8 -> rank 0, local block 4 (local slots 16..19): positions 8, 9
+A decodes position 9 (seq_len 10). Rank 0 owns keys 0..3 and 8..9: its shared keys (positions below the first
+query, 9) are 0..3 and 8 (local slots 12..16, one run), its diag key is 9 (slot 17, where rank 0 alone writes
+the new token's K/V). Rank 1 owns keys 4..7: shared slots 4..7, no diag key. Each attends the decode query over
+its own keys and the two partials merge by LSE (tandem/attention/sharded_kv.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tandem.attention.metadata import IN_PLACE_MIN_KEYS, MIN_RUN_KEYS
+from tandem.attention.sharded_kv import SHORT_ROW_QUERIES, OwnedRow
+
+
+def owner_rank(block_ids: np.ndarray | int, pcp_size: int) -> np.ndarray | int:
+    """The rank that holds each global block (the ownership rule)."""
+    return block_ids % pcp_size
+
+
+def block_pool(block_index: int, pcp_size: int) -> int:
+    """The rank whose pool the allocator takes a request's block_index-th block from."""
+    return block_index % pcp_size
+
+
+def local_slots(global_slots: np.ndarray, block_size: int, pcp_size: int) -> np.ndarray:
+    """Global cache slots (global block id * block_size + offset) -> slots in the owner's local cache."""
+    return (global_slots // block_size // pcp_size) * block_size + global_slots % block_size
+
+
+def owned_writes(write_slots: np.ndarray, block_size: int, rank: int, pcp_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """[n] global slots written this step -> (indices of those `rank` owns, their local slots)."""
+    keep = np.flatnonzero(owner_rank(write_slots // block_size, pcp_size) == rank)
+    return keep, local_slots(write_slots[keep], block_size, pcp_size)
+
+
+def owned_rows(positions: np.ndarray, query_start_loc: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray,
+               block_size: int, rank: int, pcp_size: int, device: torch.device | str,
+               in_place: bool = True) -> list[OwnedRow]:
+    """Every global row's keys that `rank` owns. positions [T] and query_start_loc [R + 1] index the global
+    queries; seq_lens [R] keys each row sees after this step's write; block_table [R, max_blocks] global ids.
+    `in_place`: short rows with many shared keys read contiguous runs as views (the CPU's fast path)."""
+    rows = []
+    for i in range(len(query_start_loc) - 1):
+        start, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
+        if end > start:
+            rows.append(_owned_row(start, end - start, int(positions[start]), int(seq_lens[i]), block_table[i],
+                                   block_size, rank, pcp_size, device, in_place))
+    return rows
+
+
+def _owned_row(token_start: int, num_queries: int, first_pos: int, seq_len: int, blocks: np.ndarray,
+               block_size: int, rank: int, pcp_size: int, device: torch.device | str, in_place: bool) -> OwnedRow:
+    num_blocks = -(-seq_len // block_size)
+    ids = blocks[:num_blocks].astype(np.int64)
+    j = np.flatnonzero(owner_rank(ids, pcp_size) == rank)  # block indices this rank owns
+    local = ids[j] // pcp_size
+    lo = j * block_size  # first position of each owned block
+    hi = np.minimum(lo + block_size, seq_len)
+    shared_hi = np.clip(first_pos, lo, hi)  # shared keys of block: [lo, shared_hi); diag: [max(lo, first), hi)
+    # runs of shared keys: blocks back to back in the local pool, each full up to its successor
+    runs: list[tuple[int, int]] = []
+    for b, a, e in zip(local.tolist(), lo.tolist(), shared_hi.tolist(), strict=True):
+        if e <= a:
+            continue
+        first = b * block_size
+        if runs and runs[-1][0] + runs[-1][1] == first and runs[-1][1] % block_size == 0:
+            runs[-1] = (runs[-1][0], runs[-1][1] + e - a)
+        else:
+            runs.append((first, e - a))
+    num_shared = sum(n for _, n in runs)
+    long = num_queries > SHORT_ROW_QUERIES
+    keep_views = in_place and not long and num_shared >= IN_PLACE_MIN_KEYS
+    views = tuple(r for r in runs if r[1] >= MIN_RUN_KEYS) if keep_views else ()
+    rest = [np.arange(a, a + n) for a, n in runs if (a, n) not in views]
+    gathered = np.concatenate(rest) if rest else np.zeros(0, dtype=np.int64)
+    d_lo = np.maximum(lo, first_pos)
+    diag_pos = np.concatenate([np.arange(a, e) for a, e in zip(d_lo.tolist(), hi.tolist(), strict=True) if e > a]
+                              or [np.zeros(0, dtype=np.int64)])
+    diag_slots = (ids[diag_pos // block_size] // pcp_size) * block_size + diag_pos % block_size
+    q_pos = first_pos + np.arange(num_queries)
+    visible = torch.from_numpy(q_pos[:, None] >= diag_pos[None, :]).to(device)  # [Q, n_d]
+    bias = None
+    if long:
+        bias = torch.zeros(visible.shape, dtype=torch.float32, device=device).masked_fill_(~visible, float("-inf"))
+    return OwnedRow(token_start, num_queries, views, torch.from_numpy(gathered.astype(np.int64)).to(device),
+                    torch.from_numpy(diag_slots.astype(np.int64)).to(device), visible, bias)

@@ -52,6 +52,8 @@ def _eval_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--url", default=None, help="evaluate an OpenAI-compatible server at this base URL instead")
     g.add_argument("--matrix", action="store_true", help="run the seed's configuration table on the model")
     g.add_argument("--num-speculative-tokens", type=int, default=3, help="K of the --matrix rows")
+    g.add_argument("--matrix-rows", nargs="+", default=None, metavar="NAME",
+                   help="run only the --matrix rows named exactly so (e.g. 'PCP2 + greedy fixed K')")
     g.add_argument("--output-json", default=None, help="also write the results as JSON to this file")
     EngineArgs.add_cli_args(g)
     g.set_defaults(seed=42)
@@ -233,7 +235,7 @@ def run_eval(args: argparse.Namespace) -> int:
           f"{args.temperature}, seed {args.seed}; few-shot pool: {pool}", file=sys.stderr)
     if args.matrix:
         results = ev.run_matrix(engine, questions, shots, args.max_tokens, args.temperature, args.seed,
-                                args.num_speculative_tokens)
+                                args.num_speculative_tokens, args.matrix_rows)
     elif args.url:
         results = [ev.run_against_url(args.url, args.url, args.model, questions, shots, args.max_tokens,
                                       args.temperature, args.seed, args.concurrency)]

@@ -201,6 +201,12 @@ def matrix_configs(k: int) -> list[tuple[str, dict[str, Any]]]:
         ("PCP2 + DSpark greedy fixed K", {
             "prefill_context_parallel_size": 2,
             "speculative_config": {"method": "dspark", "num_speculative_tokens": k}}),
+        # owner-sharded KV (pcp_kv_layout sharded): acceptance must equal the replicated rows above
+        ("PCP2 sharded KV + greedy fixed K", {
+            "prefill_context_parallel_size": 2, "pcp_kv_layout": "sharded", "speculative_config": mtp}),
+        ("PCP2 sharded KV + greedy fixed K, replicated draft", {
+            "prefill_context_parallel_size": 2, "pcp_kv_layout": "sharded",
+            "speculative_config": {**mtp, "attention_backend": "CONTIGUOUS_MLA"}}),
     ]
 
 
@@ -224,11 +230,18 @@ def format_table(results: list[EvalResult]) -> str:
 
 
 def run_matrix(base: dict[str, Any], questions: list[Problem], shots: list[Problem], max_tokens: int,
-               temperature: float, seed: int, k: int) -> list[EvalResult]:
+               temperature: float, seed: int, k: int, only: list[str] | None = None) -> list[EvalResult]:
+    """Every row of the table, or only the rows named in `only` (an unknown name is an error)."""
     from tandem.config import ConfigError
 
+    configs = matrix_configs(k)
+    unknown = sorted(set(only or ()) - {name for name, _ in configs})
+    if unknown:
+        raise ValueError(f"--matrix-rows {unknown}: not rows of the table; one of {[n for n, _ in configs]}")
     results = []
-    for name, extra in matrix_configs(k):
+    for name, extra in configs:
+        if only is not None and name not in only:
+            continue
         print(f"=== {name}", file=sys.stderr, flush=True)
         try:
             results.append(run_in_process(name, {**base, **extra}, questions, shots, max_tokens, temperature, seed))

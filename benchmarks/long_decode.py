@@ -42,19 +42,17 @@ def plant_prefix(engine: object, prompts: list[list[int]], layout: str) -> None:
     num_blocks = [(len(p) - 1) // bs for p in prompts]
     if sum(num_blocks) > bm.num_free_blocks:
         raise SystemExit(f"the KV pool has {bm.num_free_blocks} free blocks, the contexts need {sum(num_blocks)}")
-    free = [bm.free_ids.popleft() for _ in range(sum(num_blocks))]
+    # a request's j-th block comes from pool j % P, as the allocator places it (one pool unless the KV is sharded)
+    pools = bm.free_ids
+    order: list[list[int]] = [[] for _ in prompts]
     if layout == "contiguous":
-        order, at = [], 0
-        for n in num_blocks:
-            order.append(free[at: at + n])
-            at += n
-    else:  # round robin: request r gets every len(prompts)-th block
-        order = [[] for _ in prompts]
-        it = iter(free)
-        for i in range(max(num_blocks)):
+        for r, n in enumerate(num_blocks):
+            order[r] = [pools[j % len(pools)].popleft() for j in range(n)]
+    else:  # round robin: the requests' blocks alternate
+        for j in range(max(num_blocks)):
             for r, n in enumerate(num_blocks):
-                if i < n:
-                    order[r].append(next(it))
+                if j < n:
+                    order[r].append(pools[j % len(pools)].popleft())
     for prompt, ids in zip(prompts, order, strict=True):
         parent = None
         for i, block_id in enumerate(ids):
@@ -63,7 +61,9 @@ def plant_prefix(engine: object, prompts: list[list[int]], layout: str) -> None:
             block = bm.blocks[block_id]
             block.hash, block.token_ids = parent, chunk
             bm.hash_to_block[parent] = block_id
-    bm.free_ids.extend(free)  # free but cached: the prompts' requests revive them
+    for ids in order:  # free but cached: the prompts' requests revive them
+        for block_id in ids:
+            pools[block_id % len(pools)].append(block_id)
 
 
 def tpot(folder: Path, context: int, batch: int, new_tokens: int, repeats: int, layout: str) -> dict:

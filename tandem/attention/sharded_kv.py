@@ -5,15 +5,16 @@ Under the sharded layout a token's K/V (GQA K/V, MLA latent) lives only on the r
 (tandem/worker/pcp_kv.py). A query needs keys from every rank, so the step's queries are passed instead of the
 keys: each rank all-gathers the step's queries (prompt chunks are split over the ranks by DualChunkSwap; decode
 and verification rows are already on every rank, and a step of decodes only gathers nothing), attends all of
-them over its own keys, and all-gathers the partial outputs with their LSE; each rank merges the P partials of
-its own query rows (softmax over the union of disjoint key sets is the LSE-weighted mix of the parts' softmaxes,
+them over its own keys, and sends each rank the partial outputs, with their LSE, of that rank's own query rows
+(one all-to-all; MTP's replicated draft decodes all-gather them); each rank merges the P partials of its rows
+(softmax over the union of disjoint key sets is the LSE-weighted mix of the parts' softmaxes,
 tandem/attention/causal_rows.py). Every key is read once per layer on one rank, so attention work and KV memory
 are split over the ranks; the query tokens' own new K/V still cross ranks once (the owner writes them).
 
-Bytes all-gathered per layer per step (P ranks, T_r local tokens padded to M = max_r T_r, T = global tokens):
+Bytes a rank receives per layer per step (P ranks, T_r local tokens padded to M = max_r T_r, element bytes e):
 
-    replicated  P M (kv width)                                     new K/V (GQA 2 Hkv D, MLA L + rope)
-    sharded     P M (kv width) + P M Hq Dq [steps with prompt rows] + P T Hq (Dv + 1) 4 bytes [partials, fp32]
+    replicated  P M (kv width) e                                        new K/V (GQA 2 Hkv D, MLA L + rope)
+    sharded     P M (kv width) e + P M Hq Dq e [steps with prompt rows] + P T_r Hq (Dv + 1) 4 [partials, fp32]
 
 where Dq is the query width the backend attends with (GQA D, MLA nope + rope) and Dv its output width (GQA D,
 MLA v: partials are merged after W_UV, which is linear). The partials cost more bytes than the keys at short

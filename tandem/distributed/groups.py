@@ -40,6 +40,16 @@ class Group:
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
 
+    def all_to_all(self, x: torch.Tensor, send_rows: list[int], recv_rows: list[int]) -> torch.Tensor:
+        """Rank r sends rows [sum(send_rows[:s]), + send_rows[s]) of `x` to rank s and receives recv_rows[s] rows
+        from each rank s, concatenated in rank order (every rank knows every size: they come from the plan)."""
+        if self.size == 1:
+            return x
+        out = x.new_empty(sum(recv_rows), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv_rows, input_split_sizes=send_rows,
+                               group=self.group)
+        return out
+
 
 SINGLE = Group()
 

@@ -129,6 +129,7 @@ class LLMEngine:
         if not plan.rows:
             return []
         output = self.executor.execute(plan)
+        self.stats.pcp_gathered_bytes += output.pcp_gathered_bytes
         self.outputs.record_prompt_logprobs(plan, output, self.requests)
         self.spec_stats.add_draft_stats(output.draft_stats)
         finished = []
@@ -189,6 +190,7 @@ class LLMEngine:
             Counter("tandem:request_success", s.num_requests_finished),
             Counter("tandem:request_failed", s.num_requests_failed),
             Counter("tandem:num_preemptions", self.scheduler.num_preemptions),
+            Counter("tandem:pcp_gathered_bytes", s.pcp_gathered_bytes),  # rank 0's, over the PCP group
             Counter("tandem:prefix_cache_queries", bm.num_queried_tokens),
             Counter("tandem:prefix_cache_hits", bm.num_hit_tokens),
             Gauge("tandem:num_requests_running", len(self.scheduler.running)),

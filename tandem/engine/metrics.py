@@ -36,3 +36,4 @@ class EngineStats:
     num_generation_tokens: int = 0
     num_requests_finished: int = 0
     num_requests_failed: int = 0
+    pcp_gathered_bytes: int = 0

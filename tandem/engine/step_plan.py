@@ -65,3 +65,4 @@ class StepOutput:
     # request id -> logprobs of tokens row.num_computed_tokens + 1, + 2, ... (prompt_logprobs rows only)
     prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
     draft_s: float = 0.0  # wall seconds this rank spent in the drafter's hooks (observe + propose), for "auto" K
+    pcp_gathered_bytes: int = 0  # bytes this rank received from PCP all-gathers in the step (K/V, queries, partials)

@@ -99,6 +99,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
         self._free(plan.finished_request_ids)
+        gathered_before = self.pcp.bytes_gathered
         # GLOBAL batch, same on every rank; under PIECEWISE padded up to a capture size
         batch = prepare_inputs(plan, self.block_size, self.device, self.compilation.padded_size(plan.num_tokens),
                                self.inputs)
@@ -118,7 +119,8 @@ class ModelRunner:
         if proposal.draft_probs is not None:
             ids = [plan.rows[i].request_id for i in batch.sample_rows]
             self.draft_probs = dict(zip(ids, proposal.draft_probs, strict=True))
-        return StepOutput(emitted, logprobs, proposal.draft_token_ids, proposal.stats, prompt_logprobs, draft_s)
+        return StepOutput(emitted, logprobs, proposal.draft_token_ids, proposal.stats, prompt_logprobs, draft_s,
+                          self.pcp.bytes_gathered - gathered_before)
 
     def _free(self, request_ids: list[str]) -> None:
         if request_ids:

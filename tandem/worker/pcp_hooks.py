@@ -189,8 +189,17 @@ class ShardedKVPCPHooks(PartitionedPCPHooks):
         return packed[..., :-1], packed[..., -1]
 
     def _merge_local(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-        outs, lses = self._gather_partials(out, lse)
-        return merge_partials(outs[:, self.token_idx], lses[:, self.token_idx])  # [T_r, H, Dv]
+        """Each rank sends every other rank the partials of that rank's own tokens only (one all-to-all), and
+        merges the P partials of its tokens: [T_r, H, Dv]."""
+        assert self.part is not None
+        packed = torch.cat((out.float(), lse[..., None]), dim=-1)  # [T, H, Dv + 1]
+        counts = [len(idx) for idx in self.part.local_token_idx]
+        send = packed[torch.from_numpy(np.concatenate(self.part.local_token_idx)).to(packed.device)]
+        mine = counts[self.pcp.rank]
+        recv = self.pcp.all_to_all(send, counts, [mine] * self.pcp.size)
+        self.bytes_gathered += recv.numel() * recv.element_size()
+        recv = recv.view(self.pcp.size, mine, *packed.shape[1:])
+        return merge_partials(recv[..., :-1], recv[..., -1])
 
     def _merge_all(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         return merge_partials(*self._gather_partials(out, lse))

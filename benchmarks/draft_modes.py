@@ -1,9 +1,16 @@
-"""Sharded vs replicated MTP draft prefill under PCP: for ONE long prompt at PCP = P, the time-to-first-token
+"""Sharded vs replicated MTP draft prefill under PCP: for long prompts at PCP = P, the time-to-first-token
 with no drafter, with the MTP drafter sharded (its step 0 on each rank's DualChunkSwap segments) and with it
-replicated (every rank runs step 0 over the whole prompt), in one run; draft prefill time = TTFT with the
-drafter - TTFT without it. Also prints the bytes each mode moves over the PCP group.
+replicated (every rank runs step 0 over the whole prompt), in one run; draft prefill time = rank 0's wall time in
+the drafter's hooks (StepOutput.draft_s), printed beside TTFT with the drafter - TTFT without it (which also
+holds engine-to-engine noise of ~0.1 s on the 2-core dev machine). Also prints the bytes each mode moves over the
+PCP group, and the predicted draft prefill of both modes (cost_model.predict_draft_prefill_s):
+  "target terms":      the target's per-token and per-key terms fitted from target-only prefills at p/2 and p,
+                       per layer; replicated = P x that per token and per key (dense block keys)
+  "+ timed backend":   the replicated per-key term replaced by the replicated backend's own cost per dense key,
+                       ContiguousMLABackend.forward_mla timed at the prompt's shape on P threads at once
+                       (replicated_attention_s); the sharded prediction is the same in both columns
 
-    .venv/bin/python benchmarks/draft_modes.py --prompt-len 8192 --repeats 3
+    .venv/bin/python benchmarks/draft_modes.py --prompt-len 2048 8192 --repeats 5
 
 Model: the bundled tandem-dsv3-tiny (MLA, kv_lora_rank 512, one MTP layer) copied to a temporary folder with
 max_position_embeddings raised so an 8k prompt fits; its weights are untouched (this measures time, not text).
@@ -32,6 +39,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -43,7 +51,13 @@ from tandem.assets import DEFAULT_DSPARK, DEFAULT_MODEL
 from tandem.bench.machine import machine_info
 from tandem.bench.prompts import random_token_ids
 from tandem.engine.step_plan import StepOutput, StepPlan
-from tandem.spec_decode.cost_model import fit_prefill_terms, predict_draft_prefill_s
+from tandem.spec_decode.cost_model import (
+    DRAFT_MODES,
+    draft_prefill_features,
+    draft_prefill_terms_from_target,
+    fit_prefill_terms,
+    predict_draft_prefill_s,
+)
 from tandem.spec_decode.dspark_context import CONTEXT_KV_ENV
 from tandem.worker.pcp import partition
 
@@ -114,6 +128,56 @@ def dspark_context_s(prompt_len: int, pcp: int, repeats: int) -> dict[str, float
     return best
 
 
+@torch.inference_mode()
+def replicated_attention_s(config: dict, prompt_len: int, chunk: int, pcp: int, repeats: int) -> float:
+    """Seconds of the replicated drafter's attention (ContiguousMLABackend.forward_mla: the dense block of each
+    chunk, its mask, gather and cache write) over one prompt, as all P ranks run it at once: P threads of one
+    intra-op thread each (the kernels release the GIL), the slowest thread's time, best of `repeats` after a
+    warm-up round. Random
+    latents and weights of the bundled model's shapes: time, not values."""
+    from tandem.attention.backends.contiguous import ContiguousMLABackend
+    from tandem.attention.metadata import build_attention_metadata
+    from tandem.attention.mla import MLAUpProjection
+
+    heads, lora, rope = config["num_attention_heads"], config["kv_lora_rank"], config["qk_rope_head_dim"]
+    nope, v, block = config["qk_nope_head_dim"], config["v_head_dim"], 16
+    up = MLAUpProjection(0.05 * torch.randn(heads, nope, lora), 0.05 * torch.randn(heads, v, lora))
+    num_blocks = -(-prompt_len // block)
+    table = torch.arange(num_blocks, dtype=torch.int32)[None]  # [1, num_blocks]
+
+    def prefill() -> None:
+        cache = torch.zeros(num_blocks, block, lora + rope)  # [blocks, block, L + R] this rank's MTP layer cache
+        for start in range(0, prompt_len, chunk):
+            n = min(chunk, prompt_len - start)
+            meta = build_attention_metadata(torch.arange(start, start + n), torch.tensor([0, n], dtype=torch.int32),
+                                            torch.tensor([start + n], dtype=torch.int32), table, block,
+                                            torch.arange(n), torch.arange(start, start + n))
+            ContiguousMLABackend.forward_mla(torch.randn(n, heads, nope), torch.randn(n, heads, rope),
+                                             torch.randn(n, lora + rope), cache, meta, (nope + rope) ** -0.5, up)
+
+    # persistent rank threads, one warm-up round (a fresh thread's malloc arena page-faults every large buffer)
+    walls = [[0.0] * pcp for _ in range(repeats + 1)]  # [round][rank]
+    barrier = threading.Barrier(pcp)
+
+    def rank(r: int) -> None:
+        for round_ in walls:
+            barrier.wait()
+            start = time.perf_counter()
+            prefill()
+            round_[r] = time.perf_counter() - start
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    ranks = [threading.Thread(target=rank, args=(r,)) for r in range(pcp)]
+    for t in ranks:
+        t.start()
+    for t in ranks:
+        t.join()
+    torch.set_num_threads(threads)
+    best = min(max(round_) for round_ in walls[1:])
+    return best
+
+
 class Timing(NamedTuple):
     ttft_s: float  # best of the repeats
     draft_mode: str
@@ -121,20 +185,21 @@ class Timing(NamedTuple):
     rank0_draft_s: float  # best of the repeats: rank 0's wall seconds in the drafter's hooks (StepOutput.draft_s)
 
 
-def ttft(model: Path, ids: list[int], pcp: int, budget: int, spec: dict | None, repeats: int,
-         env: dict[str, str] | None = None) -> Timing:
+def ttft(model: Path, prompts: list[list[int]], pcp: int, budget: int, spec: dict | None, repeats: int,
+         env: dict[str, str] | None = None) -> list[Timing]:
+    """One engine: the Timing of each prompt in turn (best of `repeats` each) after one short warm-up."""
     from tandem import LLM, SamplingParams
 
     torch.set_num_threads(pcp)  # the executor hands each rank get_num_threads() // world = 1 thread
     os.environ.update(env or {})  # read by the spawned ranks when they build their drafter
     llm = LLM(str(model), dtype="float32", prefill_context_parallel_size=pcp, max_num_batched_tokens=budget,
-              max_model_len=len(ids) + 8, enable_prefix_caching=False, speculative_config=spec)
+              max_model_len=max(map(len, prompts)) + 8, enable_prefix_caching=False, speculative_config=spec)
     params = SamplingParams(temperature=0, max_tokens=1)
     try:
-        llm.generate([{"prompt_token_ids": ids[:64]}], params, use_tqdm=False)  # warm-up
-        walls, draft_s = [], []
+        llm.generate([{"prompt_token_ids": prompts[0][:64]}], params, use_tqdm=False)  # warm-up
         stats = llm.engine.spec_stats.draft_stats
         execute = llm.engine.executor.execute
+        draft_s: list[float] = []
 
         def timed_execute(plan: StepPlan) -> StepOutput:
             out = execute(plan)
@@ -142,13 +207,18 @@ def ttft(model: Path, ids: list[int], pcp: int, budget: int, spec: dict | None, 
             return out
 
         llm.engine.executor.execute = timed_execute  # type: ignore[method-assign]
-        for _ in range(repeats):
-            before = stats.get("context_gather_bytes", 0.0)
-            draft_s.append(0.0)
-            start = time.perf_counter()
-            llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
-            walls.append(time.perf_counter() - start)
-        return Timing(min(walls), str(llm.draft_mode), stats.get("context_gather_bytes", 0.0) - before, min(draft_s))
+        timings = []
+        for ids in prompts:
+            walls, draft_s[:] = [], []
+            for _ in range(repeats):
+                before = stats.get("context_gather_bytes", 0.0)
+                draft_s.append(0.0)
+                start = time.perf_counter()
+                llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+                walls.append(time.perf_counter() - start)
+            timings.append(Timing(min(walls), str(llm.draft_mode), stats.get("context_gather_bytes", 0.0) - before,
+                                  min(draft_s)))
+        return timings
     finally:
         llm.shutdown()
         for name in env or {}:
@@ -160,8 +230,8 @@ def main_dspark(args: argparse.Namespace, model: Path, ids: list[int]) -> dict:
     engines = []  # (mode, Timing) in start order
     for name in [*DSPARK_MODES, *reversed(DSPARK_MODES)]:
         env = {CONTEXT_KV_ENV: name} if DSPARK_MODES[name] else None
-        engines.append((name, ttft(model, ids, args.pcp_size, args.max_num_batched_tokens, DSPARK_MODES[name],
-                                   args.repeats, env)))
+        engines.append((name, ttft(model, [ids], args.pcp_size, args.max_num_batched_tokens, DSPARK_MODES[name],
+                                   args.repeats, env)[0]))
     runs = {name: [t for n, t in engines if n == name] for name in DSPARK_MODES}
     rows = {name: {"ttft_s": min(t.ttft_s for t in ts), "rank0_draft_s": min(t.rank0_draft_s for t in ts),
                    "draft_mode": ts[0].draft_mode, "context_gather_bytes": ts[0].context_gather_bytes,
@@ -187,9 +257,52 @@ def main_dspark(args: argparse.Namespace, model: Path, ids: list[int]) -> dict:
     return {"rows": rows, "sharded_over_replicated": ratio}
 
 
+def main_mtp(args: argparse.Namespace, model: Path, config: dict) -> dict:
+    """Each mode's engine prefills every asked length p (the target alone also p/2); the prediction at p comes from
+    the target's terms (target-only prefills at p/2 and p) and, for the replicated mode, its backend's attention
+    timed at p."""
+    budget, pcp = args.max_num_batched_tokens, args.pcp_size
+    ids = random_token_ids(config["vocab_size"], max(args.prompt_len), 0)
+    runs = {}
+    for name, spec in MODES.items():  # the target alone also at p/2: its per-token and per-key terms need two
+        lengths = sorted({n for p in args.prompt_len for n in ((p // 2, p) if spec is None else (p,))})
+        runs[name] = dict(zip(lengths, ttft(model, [ids[:n] for n in lengths], pcp, budget, spec, args.repeats),
+                              strict=True))
+    points = {}
+    for p in args.prompt_len:
+        base = runs["no drafter"][p].ttft_s
+        target = fit_prefill_terms([(n, runs["no drafter"][n].ttft_s) for n in (p // 2, p)], budget)
+        a_priori = draft_prefill_terms_from_target(target, config["num_hidden_layers"], pcp)
+        attention_s = replicated_attention_s(config, p, budget, pcp, args.repeats)
+        per_key = attention_s / draft_prefill_features("replicated", p, budget)[1]
+        predicted = {"target terms": predict_draft_prefill_s(a_priori, p, budget),
+                     "+ timed backend": predict_draft_prefill_s(
+                         draft_prefill_terms_from_target(target, config["num_hidden_layers"], pcp, per_key), p, budget)}
+        rows = {name: {"ttft_s": r[p].ttft_s, "draft_mode": r[p].draft_mode,
+                       "ttft_minus_none_s": r[p].ttft_s - base, "rank0_draft_s": r[p].rank0_draft_s,
+                       "extra_gather_bytes": extra_bytes(config, p, budget, pcp, name)} for name, r in runs.items()}
+        print(f"\nprompt {p} tokens, PCP={pcp}; replicated attention timed on {pcp} threads: {attention_s:.3f} s "
+              f"({1e9 * per_key:.1f} ns per dense key)\n{'mode':>12}{'TTFT s':>9}{'TTFT - none s':>15}"
+              f"{'drafter s':>11}{'predicted (target terms)':>26}{'predicted (+ timed backend)':>29}"
+              f"{'extra bytes gathered':>22}")
+        for name, r in rows.items():
+            cells = "".join(f"{d[name]:>{w - 8}.3f} ({d[name] / max(r['rank0_draft_s'], 1e-9):.2f}x)"
+                            if name in d else f"{'-':>{w}}" for d, w in zip(predicted.values(), (26, 29), strict=True))
+            print(f"{name:>12}{r['ttft_s']:>9.2f}{r['ttft_minus_none_s']:>15.3f}{r['rank0_draft_s']:>11.3f}{cells}"
+                  f"{r['extra_gather_bytes']:>22,}")
+            if name in DRAFT_MODES:
+                r |= {"predicted_target_terms_s": predicted["target terms"][name],
+                      "predicted_s": predicted["+ timed backend"][name]}
+        ratio = rows["sharded"]["rank0_draft_s"] / max(rows["replicated"]["rank0_draft_s"], 1e-9)
+        print(f"sharded / replicated drafter time = {ratio:.2f} (expect <= 0.6)")
+        points[str(p)] = {"rows": rows, "sharded_over_replicated": ratio, "replicated_attention_s": attention_s}
+    return {"points": points, "per_length": {name: {n: t._asdict() for n, t in r.items()} for name, r in runs.items()}}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompt-len", type=int, default=8192)
+    p.add_argument("--prompt-len", type=int, nargs="+", default=[8192],
+                   help="mtp: one or more lengths p (each also prefills p/2); dspark: one length")
     p.add_argument("--pcp-size", type=int, default=2)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--repeats", type=int, default=3)
@@ -197,50 +310,28 @@ def main() -> None:
     p.add_argument("--drafter", choices=("mtp", "dspark"), default="mtp",
                    help="mtp: sharded vs replicated draft prefill; dspark: sharded vs replicated context K/V")
     args = p.parse_args()
+    if args.drafter == "dspark" and len(args.prompt_len) != 1:
+        p.error(f"--prompt-len {args.prompt_len}: --drafter dspark takes one length")
     info = machine_info()
+    longest = max(args.prompt_len)
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "model"
         shutil.copytree(DEFAULT_MODEL, model)
         config = json.loads((model / "config.json").read_text())
-        config["max_position_embeddings"] = max(config["max_position_embeddings"], args.prompt_len + 64)
+        config["max_position_embeddings"] = max(config["max_position_embeddings"], longest + 64)
         (model / "config.json").write_text(json.dumps(config))
-        ids = random_token_ids(config["vocab_size"], args.prompt_len, 0)
         print(f"{info['cpu']}, {info['num_cores']} cores, torch {info['torch']}, "
               f"load {info['load_avg_1m_at_start']:.2f}")
-        print(f"one prompt of {args.prompt_len} tokens, PCP={args.pcp_size}, budget {args.max_num_batched_tokens}, "
+        print(f"prompts of {args.prompt_len} tokens, PCP={args.pcp_size}, budget {args.max_num_batched_tokens}, "
               f"1 thread per rank, best of {args.repeats}, drafter {args.drafter}")
         if args.drafter == "dspark":
-            result = main_dspark(args, model, ids)
-            if args.json:
-                args.json.write_text(json.dumps({"machine": info, "args": vars(args) | {"json": str(args.json)},
-                                                 **result}, indent=2))
-            return
-        rows = {}
-        for name, spec in MODES.items():
-            wall, mode = ttft(model, ids, args.pcp_size, args.max_num_batched_tokens, spec, args.repeats)[:2]
-            rows[name] = {"ttft_s": wall, "draft_mode": mode,
-                          "extra_gather_bytes": extra_bytes(config, args.prompt_len, args.max_num_batched_tokens,
-                                                            args.pcp_size, name)}
-        half = args.prompt_len // 2  # a second target-only length: the target's per-token and per-token-context terms
-        half_s = ttft(model, ids[:half], args.pcp_size, args.max_num_batched_tokens, None, args.repeats)[0]
-    base = rows["no drafter"]["ttft_s"]
-    print(f"\n{'mode':>12}{'TTFT s':>9}{'draft prefill s':>17}{'extra bytes gathered':>22}")
-    for name, r in rows.items():
-        r["draft_prefill_s"] = r["ttft_s"] - base if name != "no drafter" else 0.0
-        print(f"{name:>12}{r['ttft_s']:>9.2f}{r['draft_prefill_s']:>17.2f}{r['extra_gather_bytes']:>22,}")
-    ratio = rows["sharded"]["draft_prefill_s"] / max(rows["replicated"]["draft_prefill_s"], 1e-9)
-    print(f"\nsharded / replicated draft prefill = {ratio:.2f} (expect <= 0.6)")
-    terms = fit_prefill_terms([(half, half_s), (args.prompt_len, base)], args.max_num_batched_tokens)
-    predicted = predict_draft_prefill_s(terms, config["num_hidden_layers"], args.prompt_len, args.pcp_size,
-                                        args.max_num_batched_tokens)  # the "auto" policy's cost terms
-    for name in ("sharded", "replicated"):
-        rows[name]["predicted_draft_prefill_s"] = predicted[name]
-        measured = rows[name]["draft_prefill_s"]
-        print(f"{name:>12} draft prefill predicted {predicted[name]:.2f} s vs measured {measured:.2f} s "
-              f"({predicted[name] / max(measured, 1e-9):.2f}x)")
+            args.prompt_len = longest
+            result = main_dspark(args, model, random_token_ids(config["vocab_size"], longest, 0))
+        else:
+            result = main_mtp(args, model, config)
     if args.json:
-        args.json.write_text(json.dumps({"machine": info, "args": vars(args) | {"json": str(args.json)},
-                                         "rows": rows, "sharded_over_replicated": ratio}, indent=2))
+        args.json.write_text(json.dumps({"machine": info, "args": vars(args) | {"json": str(args.json)}, **result},
+                                        indent=2))
 
 
 if __name__ == "__main__":

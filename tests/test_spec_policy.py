@@ -20,7 +20,15 @@ from tandem import LLM, SamplingParams
 from tandem.config import ConfigError, ModelConfig, SpeculativeConfig
 from tandem.engine.step_plan import RowSampling, ScheduledRow, StepOutput, StepPlan
 from tandem.spec_decode.acceptance import PositionRates, expected_lengths
-from tandem.spec_decode.cost_model import TARGET_TERMS, LinearCostModel, StepShape
+from tandem.spec_decode.cost_model import (
+    TARGET_TERMS,
+    LinearCostModel,
+    StepShape,
+    draft_prefill_features,
+    draft_prefill_terms_from_target,
+    fit_prefill_terms,
+    predict_draft_prefill_s,
+)
 from tandem.spec_decode.policy import RunningRow, SpecPolicy
 
 GREEDY = RowSampling(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, num_logprobs=None)
@@ -218,6 +226,36 @@ def test_cost_model_recovers_known_coefficients_and_stays_non_negative():
         model.observe(StepShape(rows, 8, 800.0, rows, 0).target_features(), 0.01 - 0.0001 * rows)
     model.refit()
     assert (model.coef >= 0).all(), model.named()
+
+
+def test_draft_prefill_keys_are_causal_when_sharded_and_the_dense_block_when_replicated():
+    # a 10-token prompt in chunks of 4: (start 0, 4 new), (4, 4), (8, 2)
+    sharded = draft_prefill_features("sharded", 10, 4)
+    replicated = draft_prefill_features("replicated", 10, 4)
+    assert sharded.tolist() == [10.0, (0 + 10) + (16 + 10) + (16 + 3)], "causal: n * start + n (n + 1) / 2"
+    assert replicated.tolist() == [10.0, 4 * 8 + 4 * 12 + 2 * 12], "CONTIGUOUS_MLA: n * (start + 2 n) per chunk"
+    with pytest.raises(ValueError, match="'ring'"):
+        draft_prefill_features("ring", 10, 4)
+
+
+def test_draft_prefill_from_target_terms_is_one_target_layer_sharded_and_p_times_it_replicated():
+    per_token, per_key, num_layers, pcp, chunk = 2e-4, 3e-8, 4, 2, 2048
+    samples = [(n, per_token * n + per_key * sum(c * s + c * (c + 1) / 2
+                                                   for s, c in ((s, min(chunk, n - s)) for s in range(0, n, chunk))))
+               for n in (1024, 4096)]
+    terms = draft_prefill_terms_from_target(fit_prefill_terms(samples, chunk), num_layers, pcp)
+    assert terms["sharded"] == pytest.approx([per_token / num_layers, per_key / num_layers], rel=1e-3)
+    assert terms["replicated"] == pytest.approx(pcp * terms["sharded"], rel=1e-9)
+    predicted = predict_draft_prefill_s(terms, 4096, chunk)
+    assert predicted["sharded"] == pytest.approx(samples[1][1] / num_layers, rel=1e-3)
+    assert predicted["replicated"] > pcp * predicted["sharded"], "the dense block has more keys than the causal"
+    # the replicated backend's own timed cost per key replaces the target's; nothing else moves
+    timed = draft_prefill_terms_from_target(fit_prefill_terms(samples, chunk), num_layers, pcp, 1e-7)
+    assert timed["replicated"] == pytest.approx([pcp * per_token / num_layers, 1e-7], rel=1e-3)
+    assert timed["sharded"] == pytest.approx(terms["sharded"], rel=1e-12)
+    keys = draft_prefill_features("replicated", 4096, chunk)[1]
+    assert predict_draft_prefill_s(timed, 4096, chunk)["replicated"] == pytest.approx(
+        4096 * pcp * per_token / num_layers + 1e-7 * keys, rel=1e-3)
 
 
 def _model() -> ModelConfig:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from tandem.config import EngineConfig
 from tandem.engine.step_plan import RowSampling, ScheduledRow, StepOutput, StepPlan
-from tandem.spec_decode.cost_model import predict_draft_prefill_s
+from tandem.spec_decode.cost_model import draft_prefill_terms_from_target, predict_draft_prefill_s
 from tandem.spec_decode.policy import SpecPolicy
 
 logger = logging.getLogger("tandem")
@@ -85,7 +85,8 @@ def _log_draft_prefill(policy: SpecPolicy, config: EngineConfig) -> None:
         return
     policy.target.refit()
     num_tokens = config.scheduler_config.max_num_batched_tokens
-    predicted = predict_draft_prefill_s(policy.target, int(config.model_config.get("num_hidden_layers") or 1),
-                                        num_tokens, pcp)
+    terms = draft_prefill_terms_from_target(policy.target, int(config.model_config.get("num_hidden_layers") or 1),
+                                            pcp)
+    predicted = predict_draft_prefill_s(terms, num_tokens)
     logger.info("draft prefill of a %d-token chunk at PCP=%d: sharded predicted %.1f ms vs replicated %.1f ms",
                 num_tokens, pcp, 1e3 * predicted["sharded"], 1e3 * predicted["replicated"])

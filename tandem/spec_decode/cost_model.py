@@ -1,5 +1,6 @@
 """Step costs fitted online: seconds of a target pass and of the draft passes as linear functions of the step's
-shape, and the draft-prefill prediction for the two PCP draft modes from the same terms.
+shape, and the draft-prefill prediction for the two PCP draft modes from the target's terms (plus, for the
+replicated mode, its own backend's timed cost per key).
 
 Features of a step (all from the StepPlan, so the scheduler can evaluate a step it has not run):
     target: 1, rows, tokens, tokens x context (attended keys: sum over rows of n_i * (start_i + (n_i + 1) / 2)),
@@ -129,17 +130,51 @@ def fit_prefill_terms(samples: list[tuple[int, float]], chunk: int) -> LinearCos
     return model
 
 
-def predict_draft_prefill_s(target: LinearCostModel, num_layers: int, prompt_len: int, pcp_size: int,
-                            chunk: int | None = None) -> dict[str, float]:
-    """Seconds of one drafter layer's prefill over a prompt (in chunks of `chunk` tokens) under PCP = P, in each
-    draft mode, from the fitted target terms (a draft layer costs about one target layer: the target's per-token
-    and per-token-context terms over its layers). The target is fitted on GLOBAL tokens of PCP-split steps, so its
-    terms already price a rank's 1/P share of the rows plus each layer's latent gather:
-        sharded:    per_layer(tokens, keys)            (local rows, the layer's latents gathered, like a target layer)
-        replicated: P * per_layer(tokens, keys)         (every rank runs every row; its hidden restore is priced as
-                                                          one layer's gather, already inside the sharded term)
-    At P = 1 both are the same pass."""
+DRAFT_MODES = ("sharded", "replicated")
+
+
+def draft_prefill_features(mode: str, prompt_len: int, chunk: int) -> np.ndarray:
+    """[tokens, keys] the drafter's step 0 computes over one prompt prefilled in chunks of at most `chunk` tokens.
+        sharded:    keys = the causal keys (sum over chunks of n * start + n (n + 1) / 2), as the target's PCP
+                    backend computes them (256-query blocks against the keys up to each block)
+        replicated: keys = the dense block CONTIGUOUS_MLA computes and masks: each of a chunk's n queries against
+                    the row's gathered slots up to its seq_len (start + n) and then its n new latents, so
+                    sum over chunks of n * (start + 2 n)
+    Both count GLOBAL tokens and keys: sharded splits them over the P ranks, replicated runs all on every rank;
+    the coefficients carry that difference (draft_prefill_terms_from_target)."""
+    chunks = [(start, min(chunk, prompt_len - start)) for start in range(0, prompt_len, chunk)]
+    if mode == "sharded":
+        keys = sum(attended_keys(n, start) for start, n in chunks)
+    elif mode == "replicated":
+        keys = float(sum(n * (start + 2 * n) for start, n in chunks))
+    else:
+        raise ValueError(f"draft mode {mode!r}: expected one of {DRAFT_MODES}")
+    return np.array([float(prompt_len), keys])
+
+
+def draft_prefill_terms_from_target(target: LinearCostModel, num_layers: int, pcp_size: int,
+                                    replicated_per_key: float | None = None) -> dict[str, np.ndarray]:
+    """[per_token, per_key] of one drafter layer in each mode, from the fitted target: a draft layer costs about
+    one target layer (the target's per-token and per-token-context terms over its layers). The target is fitted
+    on GLOBAL tokens of PCP-split steps, so its terms already price a rank's 1/P share of the rows plus each
+    layer's latent gather: that is the sharded layer. Replicated runs every row on every rank: P times the
+    per-token term, and per dense key either P times the target's per-key term (a-priori: the same attention
+    kernel cost) or `replicated_per_key`, the replicated backend's own seconds per dense key as timed on every
+    rank at once. CONTIGUOUS_MLA's cost per key is not the target's, and not constant: on the 2-core dev machine
+    it rose ~1.6x from a 4k to an 8k prompt (the ranks' K/V no longer fit the shared L3), so it is timed at the
+    prompt's own shape rather than extrapolated."""
     c = target.named()
-    features = prefill_features(prompt_len, chunk or prompt_len)
-    sharded = float(c["per_token"] * features[2] + c["per_token_context"] * features[3]) / max(num_layers, 1)
-    return {"sharded": sharded, "replicated": sharded * pcp_size}
+    layer = np.array([c["per_token"], c["per_token_context"]]) / max(num_layers, 1)
+    replicated = pcp_size * layer
+    if replicated_per_key is not None:
+        replicated[1] = replicated_per_key
+    return {"sharded": layer, "replicated": replicated}
+
+
+def predict_draft_prefill_s(terms: dict[str, np.ndarray], prompt_len: int, chunk: int | None = None
+                            ) -> dict[str, float]:
+    """Seconds of the drafter's step 0 over a prompt (in chunks of `chunk` tokens) in each draft mode:
+        seconds(mode) = per_token[mode] * tokens + per_key[mode] * keys(mode)     (draft_prefill_features)
+    with `terms` from draft_prefill_terms_from_target."""
+    return {mode: float(coef @ draft_prefill_features(mode, prompt_len, chunk or prompt_len))
+            for mode, coef in terms.items()}

@@ -84,7 +84,9 @@ def run_point(model: str, configs: dict[str, dict | None], texts: list[str], arg
                 "mean_acceptance_length": metrics.get("tandem:spec_decode_mean_acceptance_length"),
                 "chosen_k": metrics.get("tandem:spec_policy_chosen_k"),
                 "predicted_emitted": metrics.get("tandem:spec_policy_predicted_emitted_tokens"),
-                "realised_emitted": metrics.get("tandem:spec_policy_realised_emitted_tokens")}
+                "realised_emitted": metrics.get("tandem:spec_policy_realised_emitted_tokens"),
+                "fitted_costs": {n.removeprefix("tandem:spec_policy_"): v for n, v in metrics.items()
+                                 if n.startswith("tandem:spec_policy_") and "_cost_" in n}}
         return results
     finally:
         for llm in engines.values():

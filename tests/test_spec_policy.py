@@ -204,6 +204,50 @@ def test_expected_lengths_of_known_rates():
     assert expected_lengths(accept, fill, 3) == pytest.approx((1 + 0.5 + 0.25 + 0.0625, 2.5))
 
 
+def _plain_expected(policy: SpecPolicy, running: list[RunningRow], k: int) -> tuple[float, float]:
+    """The policy's (expected emitted, predicted seconds) at K = k, one row at a time with plain products."""
+    emitted = tokens = keys = verifying = verifying_context = 0.0
+    sampling = context = 0
+    for r in running:
+        if r.num_new_tokens > 1:
+            tokens += r.num_new_tokens
+            keys += r.num_new_tokens * (r.num_tokens - r.num_new_tokens) + r.num_new_tokens * (r.num_new_tokens + 1) / 2
+            continue
+        accept, fill = policy.accept.estimate(r.request_id), policy.fill.estimate(r.request_id)
+        e, d, reach, drafted = 1.0, 0.0, 1.0, 1.0
+        for j in range(k):
+            reach, drafted = reach * fill[j] * accept[j], drafted * fill[j]
+            e, d = e + reach, d + drafted
+        emitted += e
+        verifying += fill[0] if k else 0.0
+        verifying_context += fill[0] * r.num_tokens if k else 0.0
+        tokens, keys = tokens + 1 + d, keys + (1 + d) * r.num_tokens
+        sampling, context = sampling + 1, context + r.num_tokens
+    shape = StepShape(len(running), round(tokens), keys, sampling, context, verifying, verifying_context, emitted)
+    return emitted, policy.target.predict(shape.target_features()) + policy.draft.predict(shape.draft_features(k))
+
+
+def test_vectorised_expected_equals_the_plain_per_row_sum():
+    rng = np.random.default_rng(1)
+    policy = SpecPolicy(K_MAX)
+    policy.target.coef = rng.uniform(1e-6, 1e-3, len(TARGET_TERMS))
+    policy.draft.coef = rng.uniform(1e-6, 1e-3, len(policy.draft.terms))
+    running = [RunningRow(f"r{i}", int(rng.integers(5, 3000)), 1 if i % 5 else int(rng.integers(2, 300)))
+               for i in range(40)]
+    for _ in range(30):  # requests with their own evidence, and some (r30..) with none
+        for r in running[:30]:
+            proposed = int(rng.integers(0, K_MAX + 1))
+            policy.fill.observe(r.request_id, K_MAX, proposed)
+            policy.accept.observe(r.request_id, proposed, int(rng.integers(0, proposed + 1)))
+        policy.accept.end_step()
+        policy.fill.end_step()
+    emitted, seconds = policy.expected(running)
+    for k in range(K_MAX + 1):
+        plain = _plain_expected(policy, running, k)
+        assert (emitted[k], seconds[k]) == pytest.approx(plain, rel=1e-9), f"K={k}: vectorised vs plain"
+    assert policy.expected([])[0].tolist() == [0.0] * (K_MAX + 1)
+
+
 def test_cost_model_recovers_known_coefficients_and_stays_non_negative():
     rng = np.random.default_rng(0)
     # base, per row, per token, per token x context, per verifying row, per verifying context, per emitted token

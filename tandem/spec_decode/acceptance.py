@@ -67,11 +67,16 @@ class PositionRates:
 
     def estimate(self, request_id: str) -> np.ndarray:
         """[max_positions] conditional rate per position for one request."""
+        return self.estimates([request_id])[0]
+
+    def estimates(self, request_ids: list[str]) -> np.ndarray:
+        """[R, max_positions] conditional rates of many requests at once (the policy asks for every running
+        request each step); a request without evidence gets the global estimate."""
         g = self.global_estimate()
-        own = self.per_request.get(request_id)
-        if own is None:
-            return g
-        return (own[0] + self.shrink * g) / (own[1] + self.shrink)
+        blank = np.zeros((2, self.max_positions))
+        own = np.stack([self.per_request.get(rid, blank) for rid in request_ids]) if request_ids \
+            else np.zeros((0, 2, self.max_positions))  # [R, 2, max_positions]
+        return (own[:, 0] + self.shrink * g) / (own[:, 1] + self.shrink)
 
     def free(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -81,6 +86,14 @@ class PositionRates:
 def expected_lengths(accept: np.ndarray, fill: np.ndarray, k: int) -> tuple[float, float]:
     """(expected emitted tokens, expected draft tokens) of one row asked for k drafts, from conditional rates
     [>= k] per position: emitted = 1 + sum_j prod_{i<=j} fill_i accept_i, drafts = sum_j prod_{i<=j} fill_i."""
-    if k <= 0:
-        return 1.0, 0.0
-    return 1.0 + float(np.cumprod(fill[:k] * accept[:k]).sum()), float(np.cumprod(fill[:k]).sum())
+    emitted, drafts = expected_lengths_by_k(accept[None, :max(k, 0)], fill[None, :max(k, 0)])
+    return float(emitted[0, -1]), float(drafts[0, -1])
+
+
+def expected_lengths_by_k(accept: np.ndarray, fill: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rates [R, P] of R rows -> (expected emitted, expected drafts), each [R, P + 1]: column k is the row asked
+    for k drafts (expected_lengths's formula for every k at once; column 0 is (1, 0))."""
+    zero = np.zeros((accept.shape[0], 1))
+    drafts = np.concatenate((zero, np.cumsum(np.cumprod(fill, axis=1), axis=1)), axis=1)
+    emitted = 1.0 + np.concatenate((zero, np.cumsum(np.cumprod(fill * accept, axis=1), axis=1)), axis=1)
+    return emitted, drafts

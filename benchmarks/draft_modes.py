@@ -4,8 +4,9 @@ replicated (every rank runs step 0 over the whole prompt), in one run; draft pre
 the drafter's hooks (StepOutput.draft_s), printed beside TTFT with the drafter - TTFT without it (which also
 holds engine-to-engine noise of ~0.1 s on the 2-core dev machine). Also prints the bytes each mode moves over the
 PCP group, and the predicted draft prefill of both modes (cost_model.predict_draft_prefill_s):
-  "target terms":      the target's per-token and per-key terms fitted from target-only prefills at p/2 and p,
-                       per layer; replicated = P x that per token and per key (dense block keys)
+  "target terms":      the target's per-token and per-key terms fitted from target-only prefills at p/2 and p
+                       (their steps' wall time in executor.execute), per layer; replicated = P x that per
+                       token and per key (dense block keys)
   "+ timed backend":   the replicated per-key term replaced by the replicated backend's own cost per dense key,
                        ContiguousMLABackend.forward_mla timed at the prompt's shape on P threads at once
                        (replicated_attention_s); the sharded prediction is the same in both columns
@@ -183,6 +184,8 @@ class Timing(NamedTuple):
     draft_mode: str
     context_gather_bytes: float  # DSpark's counter for one prefill of the prompt
     rank0_draft_s: float  # best of the repeats: rank 0's wall seconds in the drafter's hooks (StepOutput.draft_s)
+    step_s: float  # best of the repeats: wall seconds in executor.execute (the steps, as the "auto" policy times
+    #                them), without the engine's request handling and output work that TTFT also holds
 
 
 def ttft(model: Path, prompts: list[list[int]], pcp: int, budget: int, spec: dict | None, repeats: int,
@@ -200,24 +203,28 @@ def ttft(model: Path, prompts: list[list[int]], pcp: int, budget: int, spec: dic
         stats = llm.engine.spec_stats.draft_stats
         execute = llm.engine.executor.execute
         draft_s: list[float] = []
+        step_s: list[float] = []
 
         def timed_execute(plan: StepPlan) -> StepOutput:
+            start = time.perf_counter()
             out = execute(plan)
+            step_s[-1] += time.perf_counter() - start
             draft_s[-1] += out.draft_s
             return out
 
         llm.engine.executor.execute = timed_execute  # type: ignore[method-assign]
         timings = []
         for ids in prompts:
-            walls, draft_s[:] = [], []
+            walls, draft_s[:], step_s[:] = [], [], []
             for _ in range(repeats):
                 before = stats.get("context_gather_bytes", 0.0)
                 draft_s.append(0.0)
+                step_s.append(0.0)
                 start = time.perf_counter()
                 llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
                 walls.append(time.perf_counter() - start)
             timings.append(Timing(min(walls), str(llm.draft_mode), stats.get("context_gather_bytes", 0.0) - before,
-                                  min(draft_s)))
+                                  min(draft_s), min(step_s)))
         return timings
     finally:
         llm.shutdown()
@@ -271,7 +278,8 @@ def main_mtp(args: argparse.Namespace, model: Path, config: dict) -> dict:
     points = {}
     for p in args.prompt_len:
         base = runs["no drafter"][p].ttft_s
-        target = fit_prefill_terms([(n, runs["no drafter"][n].ttft_s) for n in (p // 2, p)], budget)
+        # the target's own steps: TTFT also holds the engine's request handling, ~0.1-0.3 s of noise at 2k here
+        target = fit_prefill_terms([(n, runs["no drafter"][n].step_s) for n in (p // 2, p)], budget)
         a_priori = draft_prefill_terms_from_target(target, config["num_hidden_layers"], pcp)
         attention_s = replicated_attention_s(config, p, budget, pcp, args.repeats)
         per_key = attention_s / draft_prefill_features("replicated", p, budget)[1]

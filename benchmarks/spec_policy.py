@@ -33,13 +33,14 @@ from tandem.tokenizer import Tokenizer
 
 
 def long_prompts(model: str, n: int, length: int) -> list[str]:
-    """n prompts of about `length` tokens: earlier 5-shot prompts as context, then a 5-shot question."""
+    """n prompts of at most `length` tokens (within one 5-shot prompt of it): earlier 5-shot prompts as context,
+    then a 5-shot question. A prompt past `length` would not fit the engine's max_model_len."""
     tok = Tokenizer(model)
     pool = gsm8k_prompts(n + 64)
     out = []
     for i in range(n):
         question, context, j = pool[i], [], n
-        while len(tok.encode("\n\n".join([*context, question]))) < length and j < len(pool):
+        while j < len(pool) and len(tok.encode("\n\n".join([*context, pool[j], question]))) <= length:
             context.append(pool[j])
             j += 1
         out.append("\n\n".join([*context, question]))

@@ -120,6 +120,15 @@ def test_where_the_optimum_is_flat_the_chosen_k_is_within_3_percent(alpha, batch
     assert world.rate(batch, k) >= 0.97 * world.rate(batch, best), f"chose K={k}, best K={best}"
 
 
+def test_a_step_of_only_new_requests_proposes_at_the_k_that_paid_last():
+    """A new batch's first step has no running rows; its prefill still proposes, at the learned K (K = 0 there
+    would cost every batch one step without drafts)."""
+    world = World(0.9)
+    policy = SpecPolicy(K_MAX)
+    Simulation(policy, 1, seed=1).run(world, 200)
+    assert policy.choose([]) == world.best_k(1) == K_MAX
+
+
 def test_the_clear_cases_cover_every_regime():
     """The synthetic worlds really ask for different answers (else converging would prove little)."""
     assert [World(a).best_k(b) for a, b in CLEAR] == [K_MAX, 1, 0, 0]

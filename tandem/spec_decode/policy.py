@@ -53,8 +53,8 @@ class SpecPolicy:
 
     # -- choosing ------------------------------------------------------------------------------------------------
     def choose(self, running: list[RunningRow]) -> int:
-        if not running:
-            return 0
+        if not running:  # only admissions this step (a new batch): their prefill proposes at the K that paid last,
+            return self._commit(self._last_k, 0.0)  # as a fixed K would (0 here cost every batch a drafting step)
         emitted, seconds = self.expected(running)
         if not (self.target.ready and self.draft.ready):
             k = self.max_k - int(self.chosen.sum()) % (self.max_k + 1)  # not seeded yet: sweep K to fit costs

@@ -53,7 +53,7 @@ def layout_run(folder: Path, layout: str, context: int, new_tokens: int, repeats
     config = json.loads((folder / "config.json").read_text())
     per_token = config["num_hidden_layers"] * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 4
     llm = LLM(str(folder), dtype="float32", prefill_context_parallel_size=PCP, pcp_kv_layout=layout,
-              max_num_batched_tokens=CHUNK, max_model_len=context + new_tokens + 64, max_num_seqs=1,
+              max_num_batched_tokens=CHUNK, max_model_len=context + max(new_tokens + 2, 64), max_num_seqs=1,
               kv_cache_memory_bytes=int(3.2 * (context + new_tokens + 64) * per_token) + (64 << 20))
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     try:
@@ -87,7 +87,9 @@ def layout_run(folder: Path, layout: str, context: int, new_tokens: int, repeats
             "tpot_ms": (walls[1 + new_tokens] - walls[1]) / new_tokens * 1e3,
             "prefill_bytes_per_step": prefill_bytes, "decode_bytes_per_step": decode_bytes,
             "formula_prefill_per_layer": formula_bytes(config, layout, local, True),
-            "formula_decode_per_layer": formula_bytes(config, layout, 1, False), "layers": layers}
+            "formula_decode_per_layer": formula_bytes(config, layout, 1, False), "layers": layers,
+            # beside the layers: the sampled row's hidden state restored for the logits (P rows of hidden_size)
+            "logits_restore_bytes": PCP * config["hidden_size"] * 4}
 
 
 def capacity_rows(per_rank_tokens: int) -> list[dict]:
@@ -159,12 +161,13 @@ def main() -> None:
                 r = rows[-1]
                 print(f"  {context:>6} {layout:>10}: TTFT {r['ttft_s']:.2f} s, TPOT {r['tpot_ms']:.2f} ms", flush=True)
         print("\n| context | layout | TTFT s | TPOT ms | prefill bytes/step measured | formula (layers x per layer) "
-              "| decode bytes/step measured | formula |\n|---|---|---|---|---|---|---|---|")
+              "| decode bytes/step measured | formula (+ logits row) |\n|---|---|---|---|---|---|---|---|")
         for r in rows:
             n = r["layers"]
             print(f"| {r['context']} | {r['layout']} | {r['ttft_s']:.2f} | {r['tpot_ms']:.2f} | "
                   f"{r['prefill_bytes_per_step'] / 1e6:.2f} MB | {n * r['formula_prefill_per_layer'] / 1e6:.2f} MB | "
-                  f"{r['decode_bytes_per_step'] / 1e3:.1f} kB | {n * r['formula_decode_per_layer'] / 1e3:.1f} kB |")
+                  f"{r['decode_bytes_per_step'] / 1e3:.1f} kB | "
+                  f"{(n * r['formula_decode_per_layer'] + r['logits_restore_bytes']) / 1e3:.1f} kB |")
     if a.json:
         a.json.write_text(json.dumps({"machine": info, "rows": rows}, indent=2) + "\n")
 

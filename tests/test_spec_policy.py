@@ -121,12 +121,13 @@ def test_where_the_optimum_is_flat_the_chosen_k_is_within_3_percent(alpha, batch
 
 
 def test_a_step_of_only_new_requests_proposes_at_the_k_that_paid_last():
-    """A new batch's first step has no running rows; its prefill still proposes, at the learned K (K = 0 there
-    would cost every batch one step without drafts)."""
+    """A new batch's first steps have no decoding rows (none running, or only prompt chunks); the rows that finish
+    their prompt still propose, at the learned K (K = 0 there would cost every batch a step without drafts)."""
     world = World(0.9)
     policy = SpecPolicy(K_MAX)
     Simulation(policy, 1, seed=1).run(world, 200)
     assert policy.choose([]) == world.best_k(1) == K_MAX
+    assert policy.choose([RunningRow("prompt", 900, 500)]) == K_MAX, "a prompt chunk alone says nothing about K"
 
 
 def test_the_clear_cases_cover_every_regime():

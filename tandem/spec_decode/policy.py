@@ -53,8 +53,11 @@ class SpecPolicy:
 
     # -- choosing ------------------------------------------------------------------------------------------------
     def choose(self, running: list[RunningRow]) -> int:
-        if not running:  # only admissions this step (a new batch): their prefill proposes at the K that paid last,
-            return self._commit(self._last_k, 0.0)  # as a fixed K would (0 here cost every batch a drafting step)
+        if all(r.num_new_tokens > 1 for r in running):
+            # only admissions and prompt chunks (a new batch): no decode to weigh K by, and the rows that finish
+            # their prompt propose at the K that paid last, as a fixed K would (K = 0 here, every rate being 0,
+            # cost each new batch a drafting step)
+            return self._commit(self._last_k, 0.0)
         emitted, seconds = self.expected(running)
         if not (self.target.ready and self.draft.ready):
             k = self.max_k - int(self.chosen.sum()) % (self.max_k + 1)  # not seeded yet: sweep K to fit costs

@@ -160,9 +160,8 @@ def draft_prefill_terms_from_target(target: LinearCostModel, num_layers: int, pc
     layer's latent gather: that is the sharded layer. Replicated runs every row on every rank: P times the
     per-token term, and per dense key either P times the target's per-key term (a-priori: the same attention
     kernel cost) or `replicated_per_key`, the replicated backend's own seconds per dense key as timed on every
-    rank at once. CONTIGUOUS_MLA's cost per key is not the target's, and not constant: on the 2-core dev machine
-    it rose ~1.6x from a 4k to an 8k prompt (the ranks' K/V no longer fit the shared L3), so it is timed at the
-    prompt's own shape rather than extrapolated."""
+    rank at once (benchmarks/draft_modes.py). CONTIGUOUS_MLA's cost per key is not the target's: the a-priori
+    replicated prediction came out 0.27-0.38x the measured one at 8k tokens on the 2-core dev machine."""
     c = target.named()
     layer = np.array([c["per_token"], c["per_token_context"]]) / max(num_layers, 1)
     replicated = pcp_size * layer

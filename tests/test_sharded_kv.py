@@ -17,7 +17,7 @@ from tandem.attention.sharded_kv import ShardedAttentionMetadata, merge_partials
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.request import Request
 from tandem.sampling_params import SamplingParams
-from tandem.worker.pcp_kv import local_slots, owned_rows, owned_writes, owner_rank
+from tandem.worker.pcp_kv import local_slots, owned_plan, owned_rows, owned_writes, owner_rank
 
 
 def _layout(rng: np.random.Generator, pcp: int, block_size: int, seq_lens: list[int], blocks_per_rank: int
@@ -143,9 +143,10 @@ def _sharded(pcp: int, block_size: int, seed: int):
     return seq_lens, positions, qsl, table
 
 
-def _meta(rows, num_queries: int) -> ShardedAttentionMetadata:
+def _meta(plan, num_queries: int) -> ShardedAttentionMetadata:
+    groups, rows = plan
     none = torch.zeros(0, dtype=torch.int64)
-    return ShardedAttentionMetadata(rows, num_queries, none, none, lambda x: x, lambda o, lse: o)
+    return ShardedAttentionMetadata(rows, num_queries, none, none, lambda x: x, lambda o, lse: o, groups=groups)
 
 
 def _fill_caches(keys: torch.Tensor, table: np.ndarray, seq_lens: list[int], block_size: int, pcp: int,
@@ -175,11 +176,18 @@ def test_gqa_partials_over_owned_keys_merge_to_full_attention(pcp, block_size, h
                                       _fill_caches(v_all, table, seq_lens, block_size, pcp, slots), strict=True)]
     outs, lses = [], []
     for r in range(pcp):
-        rows = owned_rows(positions, qsl, np.array(seq_lens), table, block_size, r, pcp, "cpu")
-        assert rows[3].runs, "the long verification row reads its keys in place"
+        groups, rows = owned_plan(positions, qsl, np.array(seq_lens), table, block_size, r, pcp, "cpu")
+        # the decode and short verification rows batched; the long verification row in place; chunks one by one
+        assert groups and groups[0].token_idx.shape[0] == 2
+        assert [row.num_queries for row in rows] == [40, 3, 24] and rows[1].runs
         cache = kv[r].view(2, -1, 1, hkv, d)  # [2, num_blocks, block_size=1, Hkv, D]: flatten(0, 1) = the slots
         o, lse = PagedSDPABackend.forward_sharded(q, q.new_zeros(0, hkv, d), q.new_zeros(0, hkv, d), cache,
-                                                  _meta(rows, q.shape[0]), 0.3)
+                                                  _meta((groups, rows), q.shape[0]), 0.3)
+        one_by_one = owned_rows(positions, qsl, np.array(seq_lens), table, block_size, r, pcp, "cpu")
+        o1, lse1 = PagedSDPABackend.forward_sharded(q, q.new_zeros(0, hkv, d), q.new_zeros(0, hkv, d), cache,
+                                                    _meta(([], one_by_one), q.shape[0]), 0.3)
+        torch.testing.assert_close(o, o1, atol=1e-5, rtol=1e-5)  # the batched group == each row alone
+        torch.testing.assert_close(lse, lse1, atol=1e-5, rtol=1e-5)
         outs.append(o)
         lses.append(lse)
     merged = merge_partials(torch.stack(outs), torch.stack(lses))
@@ -205,9 +213,10 @@ def test_mla_partials_over_owned_latents_merge_to_full_attention(pcp, block_size
     caches = _fill_caches(latents, table, seq_lens, block_size, pcp, slots)
     outs, lses = [], []
     for r in range(pcp):
-        rows = owned_rows(positions, qsl, np.array(seq_lens), table, block_size, r, pcp, "cpu")
+        plan = owned_plan(positions, qsl, np.array(seq_lens), table, block_size, r, pcp, "cpu")
+        assert plan[0], "the short rows are batched"
         o, lse = PagedMLABackend.forward_mla_sharded(torch.cat((q_nope, q_pe), -1), latents.new_zeros(0, lora + rope),
-                                                     caches[r].view(-1, 1, lora + rope), _meta(rows, q_nope.shape[0]),
+                                                     caches[r].view(-1, 1, lora + rope), _meta(plan, q_nope.shape[0]),
                                                      0.25, up)
         outs.append(o)
         lses.append(lse)

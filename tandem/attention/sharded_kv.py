@@ -28,7 +28,7 @@ query at position q sees key at position k iff k <= q. A query that sees no key 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -61,18 +61,30 @@ class OwnedRow:
         return torch.cat([*parts, self.gathered]) if parts else self.gathered
 
 
+@dataclass(frozen=True)
+class OwnedGroup:
+    """Short rows (decodes, verification rows) that see few owned keys, padded into one batched call: row g's
+    queries are global tokens token_idx[g] (padding repeats a valid one), its keys the local slots kv_slots[g]."""
+
+    token_idx: torch.Tensor  # [G, Q] int64
+    token_valid: torch.Tensor  # [G, Q] bool
+    kv_slots: torch.Tensor  # [G, S] int64 (padding -> slot 0, never visible)
+    visible: torch.Tensor  # [G, Q, S] bool, query q of row g may see key s (by position)
+
+
 @dataclass
 class ShardedAttentionMetadata:
     """This rank's view of a step under the sharded KV layout: every global row, over the keys the rank owns.
     `gather_queries` takes the layer's local queries [T_r, ...] to the global [num_queries, ...]; `merge` takes
     the partial (out [num_queries, H, Dv], lse [num_queries, H]) of every rank to this rank's [T_r, H, Dv]."""
 
-    rows: list[OwnedRow]
+    rows: list[OwnedRow]  # attended one by one (prompt chunks; short rows that read many keys in place)
     num_queries: int  # global query tokens (graph padding included: their partials are empty)
     write_rows: torch.Tensor  # [num_writes] int64 rows of the (gathered) new K/V this rank writes: the ones it owns
     write_slots: torch.Tensor  # [num_writes] int64 their LOCAL cache slots
     gather_queries: Callable[[torch.Tensor], torch.Tensor]
     merge: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    groups: list[OwnedGroup] = field(default_factory=list)  # the other short rows, batched
 
 
 def merge_partials(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -185,13 +197,42 @@ def _masked_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return out, lse
 
 
+def grouped_owned_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor | None, group: OwnedGroup,
+                            scale: float, dv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq, Dk] the global queries; one batched call for the group's rows -> (out [G, Q, Hq, dv],
+    lse [G, Q, Hq] float32); the r = Hq / Hkv heads of a KV head folded into the query axis."""
+    g, num_q = group.token_idx.shape
+    hq, hkv = q.shape[1], k_flat.shape[1]
+    r = hq // hkv
+    qg = q.index_select(0, group.token_idx.flatten()).view(g, num_q, hkv, r, -1)
+    qf = qg.permute(0, 2, 3, 1, 4).reshape(g, hkv, r * num_q, -1)  # [G, Hkv, r Q, Dk]
+    kg = k_flat.index_select(0, group.kv_slots.flatten()).view(g, -1, hkv, k_flat.shape[-1]).to(q.dtype)
+    vg = kg[..., :dv] if v_flat is None else v_flat.index_select(0, group.kv_slots.flatten()).view(
+        g, -1, hkv, v_flat.shape[-1]).to(q.dtype)
+    scores = torch.matmul(qf, kg.permute(0, 2, 3, 1)).float() * scale  # [G, Hkv, r Q, S]
+    scores.view(g, hkv, r, num_q, -1).masked_fill_(~group.visible[:, None, None], NEG_INF)
+    lse = torch.logsumexp(scores, dim=-1)  # [G, Hkv, r Q]
+    probs = (scores - torch.where(torch.isfinite(lse), lse, 0)[..., None]).exp().to(q.dtype)
+    out = torch.matmul(probs, vg.transpose(1, 2))  # [G, Hkv, r Q, Dv]
+    out = out.view(g, hkv, r, num_q, -1).permute(0, 3, 1, 2, 4).reshape(g, num_q, hq, -1)
+    return out, lse.view(g, hkv, r, num_q).permute(0, 3, 1, 2).reshape(g, num_q, hq)
+
+
 def sharded_partials(meta: ShardedAttentionMetadata, q: torch.Tensor,
                      row_attention: Callable[[OwnedRow, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-                     dv: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run `row_attention(row, q_rows)` over every row of the global queries q [num_queries, Hq, ...] ->
-    (out [num_queries, Hq, dv] float32, lse [num_queries, Hq]); tokens in no row (padding) see nothing."""
+                     dv: int,
+                     group_attention: Callable[[OwnedGroup], tuple[torch.Tensor, torch.Tensor]] | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run `group_attention(group)` over the batched short rows and `row_attention(row, q_rows)` over every other
+    row of the global queries q [num_queries, Hq, ...] -> (out [num_queries, Hq, dv] float32, lse
+    [num_queries, Hq]); tokens in no row (padding) see nothing."""
     out = q.new_zeros(q.shape[0], q.shape[1], dv, dtype=torch.float32)
     lse = q.new_full((q.shape[0], q.shape[1]), NEG_INF, dtype=torch.float32)
+    for group in meta.groups:
+        assert group_attention is not None
+        og, lg = group_attention(group)
+        rows = group.token_idx[group.token_valid]
+        out[rows], lse[rows] = og[group.token_valid].float(), lg[group.token_valid]
     for row in meta.rows:
         rows = slice(row.token_start, row.token_start + row.num_queries)
         out[rows], lse[rows] = row_attention(row, q[rows])

@@ -28,7 +28,7 @@ from tandem.worker.pcp import (
     row_gather,
     select_rows,
 )
-from tandem.worker.pcp_kv import owned_rows, owned_writes
+from tandem.worker.pcp_kv import owned_plan, owned_writes
 
 
 @dataclass
@@ -165,10 +165,10 @@ class ShardedKVPCPHooks(PartitionedPCPHooks):
         """Sharded metadata of global rows (default: rows replicated on every rank, e.g. MTP's draft decodes,
         whose queries need no gather and whose merged output is every row's). write_slots are global."""
         keep, local = owned_writes(write_slots, self.block_size, self.pcp.rank, self.pcp.size)
-        rows = owned_rows(positions, query_start_loc, seq_lens, block_table, self.block_size, self.pcp.rank,
-                          self.pcp.size, device, in_place=torch.device(device).type == "cpu")
+        groups, rows = owned_plan(positions, query_start_loc, seq_lens, block_table, self.block_size,
+                                  self.pcp.rank, self.pcp.size, device, in_place=torch.device(device).type == "cpu")
         return ShardedAttentionMetadata(
-            rows=rows, num_queries=num_queries,
+            rows=rows, groups=groups, num_queries=num_queries,
             write_rows=torch.from_numpy(np.asarray(write_rows, dtype=np.int64)[keep]).to(device),
             write_slots=torch.from_numpy(local.astype(np.int64)).to(device),
             gather_queries=gather_queries or (lambda q: q), merge=merge or self._merge_all)

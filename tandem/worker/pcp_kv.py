@@ -24,8 +24,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tandem.attention.metadata import IN_PLACE_MIN_KEYS, MIN_RUN_KEYS
-from tandem.attention.sharded_kv import SHORT_ROW_QUERIES, OwnedRow
+from tandem.attention.metadata import GATHER_MAX_KEYS, IN_PLACE_MIN_KEYS, MIN_RUN_KEYS
+from tandem.attention.sharded_kv import SHORT_ROW_QUERIES, OwnedGroup, OwnedRow
 
 
 def owner_rank(block_ids: np.ndarray | int, pcp_size: int) -> np.ndarray | int:
@@ -52,9 +52,9 @@ def owned_writes(write_slots: np.ndarray, block_size: int, rank: int, pcp_size: 
 def owned_rows(positions: np.ndarray, query_start_loc: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray,
                block_size: int, rank: int, pcp_size: int, device: torch.device | str,
                in_place: bool = True) -> list[OwnedRow]:
-    """Every global row's keys that `rank` owns. positions [T] and query_start_loc [R + 1] index the global
-    queries; seq_lens [R] keys each row sees after this step's write; block_table [R, max_blocks] global ids.
-    `in_place`: short rows with many shared keys read contiguous runs as views (the CPU's fast path)."""
+    """Every global row's keys that `rank` owns, one OwnedRow each. positions [T] and query_start_loc [R + 1]
+    index the global queries; seq_lens [R] keys each row sees after this step's write; block_table
+    [R, max_blocks] global ids. `in_place`: short rows with many shared keys read contiguous runs as views."""
     rows = []
     for i in range(len(query_start_loc) - 1):
         start, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
@@ -62,6 +62,61 @@ def owned_rows(positions: np.ndarray, query_start_loc: np.ndarray, seq_lens: np.
             rows.append(_owned_row(start, end - start, int(positions[start]), int(seq_lens[i]), block_table[i],
                                    block_size, rank, pcp_size, device, in_place))
     return rows
+
+
+def owned_plan(positions: np.ndarray, query_start_loc: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray,
+               block_size: int, rank: int, pcp_size: int, device: torch.device | str,
+               in_place: bool = True) -> tuple[list[OwnedGroup], list[OwnedRow]]:
+    """As owned_rows, but the short rows that see few owned keys are padded into one OwnedGroup (one batched
+    attention call for all of them, as the replicated layout's PrefixGroup): rows of at most SHORT_ROW_QUERIES
+    queries while the longest stays under IN_PLACE_MIN_KEYS owned keys and the group pads to at most
+    GATHER_MAX_KEYS keys (off the CPU every short row is grouped). The other rows come back one by one."""
+    bounds = [(i, int(query_start_loc[i]), int(query_start_loc[i + 1])) for i in range(len(query_start_loc) - 1)]
+    short = [(i, a, b) for i, a, b in bounds if 0 < b - a <= SHORT_ROW_QUERIES]
+    keys = {i: _owned_keys(int(seq_lens[i]), block_table[i], block_size, rank, pcp_size) for i, _, _ in short}
+    by_keys = sorted(short, key=lambda r: keys[r[0]][0].shape[0])
+    while in_place and by_keys and (keys[by_keys[-1][0]][0].shape[0] >= IN_PLACE_MIN_KEYS
+                                    or len(by_keys) * keys[by_keys[-1][0]][0].shape[0] > GATHER_MAX_KEYS):
+        by_keys.pop()
+    grouped = {i for i, _, _ in by_keys}
+    groups = [_owned_group([(a, b - a, int(positions[a]), *keys[i]) for i, a, b in short if i in grouped], device)
+              ] if grouped else []
+    rows = [_owned_row(a, b - a, int(positions[a]), int(seq_lens[i]), block_table[i], block_size, rank, pcp_size,
+                       device, in_place) for i, a, b in bounds if b > a and i not in grouped]
+    return groups, rows
+
+
+def _owned_keys(seq_len: int, blocks: np.ndarray, block_size: int, rank: int, pcp_size: int
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """(local slots, positions) of the keys 0..seq_len-1 of one row that `rank` owns, in position order."""
+    pos = np.arange(seq_len)
+    ids = blocks[pos // block_size].astype(np.int64)
+    mine = owner_rank(ids, pcp_size) == rank
+    return (ids[mine] // pcp_size) * block_size + pos[mine] % block_size, pos[mine]
+
+
+def _owned_group(rows: list[tuple[int, int, int, np.ndarray, np.ndarray]], device: torch.device | str) -> OwnedGroup:
+    """rows: (token_start, num_queries, first position, owned slots, their positions) -> one padded group."""
+    g = len(rows)
+    q_max = max(n for _, n, _, _, _ in rows)
+    s_max = max(1, max(s.shape[0] for _, _, _, s, _ in rows))
+    token_idx = np.zeros((g, q_max), dtype=np.int64)
+    token_valid = np.zeros((g, q_max), dtype=bool)
+    q_pos = np.full((g, q_max), -1, dtype=np.int64)
+    kv_slots = np.zeros((g, s_max), dtype=np.int64)
+    k_pos = np.full((g, s_max), np.iinfo(np.int64).max, dtype=np.int64)  # padding keys: never visible
+    for r, (start, n, first, slots, pos) in enumerate(rows):
+        token_idx[r] = start + np.minimum(np.arange(q_max), n - 1)  # padding repeats the row's last query
+        token_valid[r, :n] = True
+        q_pos[r, :n] = first + np.arange(n)
+        kv_slots[r, : slots.shape[0]] = slots
+        k_pos[r, : pos.shape[0]] = pos
+    visible = k_pos[:, None, :] <= q_pos[:, :, None]  # [G, Q, S]; a padding query (position -1) sees nothing
+
+    def t(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(device)
+
+    return OwnedGroup(t(token_idx), t(token_valid), t(kv_slots), t(visible))
 
 
 def _owned_row(token_start: int, num_queries: int, first_pos: int, seq_len: int, blocks: np.ndarray,

@@ -17,8 +17,10 @@ from tandem.attention.metadata import AttentionMetadata, gather_rows
 from tandem.attention.mla import MLAUpProjection, absorb, long_row_attention, prefers_expanded, up_project
 from tandem.attention.sharded_kv import (
     SHORT_ROW_QUERIES,
+    OwnedGroup,
     OwnedRow,
     ShardedAttentionMetadata,
+    grouped_owned_attention,
     long_owned_attention,
     owned_attention,
     sharded_partials,
@@ -89,4 +91,13 @@ class PagedMLABackend(AttentionBackend):
             o_latent, lse = owned_attention(absorb(qr[..., :nope], qr[..., nope:], up), lat, None, row, scale, lora)
             return up_project(o_latent, up), lse
 
-        return sharded_partials(meta, q, row_attention, up.w_uv.shape[1])
+        def group_attention(group: OwnedGroup) -> tuple[torch.Tensor, torch.Tensor]:
+            tokens = group.token_idx.flatten()
+            q_abs = absorb(q[tokens, :, :nope], q[tokens, :, nope:], up)  # [G Q, H, L + R], the group's queries only
+            g, num_q = group.token_idx.shape
+            own = OwnedGroup(torch.arange(g * num_q, device=q.device).view(g, num_q), group.token_valid,
+                             group.kv_slots, group.visible)
+            o_latent, lse = grouped_owned_attention(q_abs, lat, None, own, scale, lora)  # [G, Q, H, L]
+            return up_project(o_latent.flatten(0, 1), up).view(g, num_q, heads, -1), lse
+
+        return sharded_partials(meta, q, row_attention, up.w_uv.shape[1], group_attention)

@@ -7,7 +7,12 @@ import torch
 from tandem.attention.backend import AttentionBackend, register_backend
 from tandem.attention.backends.prefix import prefix_attention, write_kv
 from tandem.attention.metadata import AttentionMetadata
-from tandem.attention.sharded_kv import ShardedAttentionMetadata, owned_attention, sharded_partials
+from tandem.attention.sharded_kv import (
+    ShardedAttentionMetadata,
+    grouped_owned_attention,
+    owned_attention,
+    sharded_partials,
+)
 
 
 @register_backend
@@ -47,4 +52,5 @@ class PagedSDPABackend(AttentionBackend):
         write_kv(k_flat, k, meta)
         write_kv(v_flat, v, meta)
         dv = v_flat.shape[-1]
-        return sharded_partials(meta, q, lambda row, qr: owned_attention(qr, k_flat, v_flat, row, scale, dv), dv)
+        return sharded_partials(meta, q, lambda row, qr: owned_attention(qr, k_flat, v_flat, row, scale, dv), dv,
+                                lambda g: grouped_owned_attention(q, k_flat, v_flat, g, scale, dv))

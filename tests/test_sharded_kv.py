@@ -17,7 +17,7 @@ from tandem.attention.sharded_kv import ShardedAttentionMetadata, merge_partials
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.request import Request
 from tandem.sampling_params import SamplingParams
-from tandem.worker.pcp_kv import local_slots, owned_plan, owned_rows, owned_writes, owner_rank
+from tandem.worker.pcp_kv import local_slots, owned_plan, owned_writes, owner_rank
 
 
 def _layout(rng: np.random.Generator, pcp: int, block_size: int, seq_lens: list[int], blocks_per_rank: int
@@ -50,8 +50,8 @@ def test_ownership_rule_partitions_every_rows_keys(pcp, block_size, seed, rows):
     qsl = np.concatenate([[0], np.cumsum(num_q)])
     positions = np.concatenate([np.arange(s, s + q) for s, q in rows])
     table = _layout(rng, pcp, block_size, seq_lens, blocks_per_rank=sum(seq_lens) // block_size + 8)
-    per_rank = [owned_rows(positions, qsl, np.array(seq_lens), table, block_size, r, pcp, "cpu", in_place=True)
-                for r in range(pcp)]
+    per_rank = [owned_plan(positions, qsl, np.array(seq_lens), table, block_size, r, pcp, "cpu",
+                           batch_short_rows=False)[1] for r in range(pcp)]
     for i, (start, q) in enumerate(rows):
         seen: list[tuple[int, int]] = []  # (rank, local slot) of every owned key of row i
         for r in range(pcp):
@@ -143,10 +143,10 @@ def _sharded(pcp: int, block_size: int, seed: int):
     return seq_lens, positions, qsl, table
 
 
-def _meta(plan, num_queries: int) -> ShardedAttentionMetadata:
+def _meta(plan) -> ShardedAttentionMetadata:
     groups, rows = plan
     none = torch.zeros(0, dtype=torch.int64)
-    return ShardedAttentionMetadata(rows, num_queries, none, none, lambda x: x, lambda o, lse: o, groups=groups)
+    return ShardedAttentionMetadata(rows, none, none, lambda x: x, lambda o, lse: o, groups=groups)
 
 
 def _fill_caches(keys: torch.Tensor, table: np.ndarray, seq_lens: list[int], block_size: int, pcp: int,
@@ -182,10 +182,11 @@ def test_gqa_partials_over_owned_keys_merge_to_full_attention(pcp, block_size, h
         assert [row.num_queries for row in rows] == [40, 3, 24] and rows[1].runs
         cache = kv[r].view(2, -1, 1, hkv, d)  # [2, num_blocks, block_size=1, Hkv, D]: flatten(0, 1) = the slots
         o, lse = PagedSDPABackend.forward_sharded(q, q.new_zeros(0, hkv, d), q.new_zeros(0, hkv, d), cache,
-                                                  _meta((groups, rows), q.shape[0]), 0.3)
-        one_by_one = owned_rows(positions, qsl, np.array(seq_lens), table, block_size, r, pcp, "cpu")
+                                                  _meta((groups, rows)), 0.3)
+        one_by_one = owned_plan(positions, qsl, np.array(seq_lens), table, block_size, r, pcp, "cpu",
+                                batch_short_rows=False)[1]
         o1, lse1 = PagedSDPABackend.forward_sharded(q, q.new_zeros(0, hkv, d), q.new_zeros(0, hkv, d), cache,
-                                                    _meta(([], one_by_one), q.shape[0]), 0.3)
+                                                    _meta(([], one_by_one)), 0.3)
         torch.testing.assert_close(o, o1, atol=1e-5, rtol=1e-5)  # the batched group == each row alone
         torch.testing.assert_close(lse, lse1, atol=1e-5, rtol=1e-5)
         outs.append(o)
@@ -216,7 +217,7 @@ def test_mla_partials_over_owned_latents_merge_to_full_attention(pcp, block_size
         plan = owned_plan(positions, qsl, np.array(seq_lens), table, block_size, r, pcp, "cpu")
         assert plan[0], "the short rows are batched"
         o, lse = PagedMLABackend.forward_mla_sharded(torch.cat((q_nope, q_pe), -1), latents.new_zeros(0, lora + rope),
-                                                     caches[r].view(-1, 1, lora + rope), _meta(plan, q_nope.shape[0]),
+                                                     caches[r].view(-1, 1, lora + rope), _meta(plan),
                                                      0.25, up)
         outs.append(o)
         lses.append(lse)

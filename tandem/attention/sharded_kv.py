@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.attention.causal_rows import attention_with_lse
+from tandem.attention.metadata import SHORT_ROW_TOKENS
 
 NEG_INF = float("-inf")
 
@@ -50,6 +51,7 @@ class OwnedRow:
     diag_slots: torch.Tensor  # [n_d] int64 local slots of owned keys at positions >= the first query's
     diag_visible: torch.Tensor  # [Q, n_d] bool, query i may see diag key j
     diag_bias: torch.Tensor | None  # [Q, n_d] 0 / -inf, the same mask for the flash kernel (long rows only)
+    diag_blind: torch.Tensor | None  # [Q] bool queries that see none of the diag keys, or None when every one does
 
     @property
     def num_shared(self) -> int:
@@ -75,11 +77,11 @@ class OwnedGroup:
 @dataclass
 class ShardedAttentionMetadata:
     """This rank's view of a step under the sharded KV layout: every global row, over the keys the rank owns.
-    `gather_queries` takes the layer's local queries [T_r, ...] to the global [num_queries, ...]; `merge` takes
-    the partial (out [num_queries, H, Dv], lse [num_queries, H]) of every rank to this rank's [T_r, H, Dv]."""
+    `gather_queries` takes the layer's local queries [T_r, ...] to the global [T, ...] (graph padding included:
+    its partials are empty); `merge` takes the partial (out [T, H, Dv], lse [T, H]) of every rank to this rank's
+    [T_r, H, Dv]."""
 
     rows: list[OwnedRow]  # attended one by one (prompt chunks; short rows that read many keys in place)
-    num_queries: int  # global query tokens (graph padding included: their partials are empty)
     write_rows: torch.Tensor  # [num_writes] int64 rows of the (gathered) new K/V this rank writes: the ones it owns
     write_slots: torch.Tensor  # [num_writes] int64 their LOCAL cache slots
     gather_queries: Callable[[torch.Tensor], torch.Tensor]
@@ -101,16 +103,13 @@ def owned_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor 
                     scale: float, dv: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One row: q [Q, Hq, Dk] over its owned keys in the cache k_flat [num_slots, Hkv, Dk] (v_flat, or the keys'
     first dv channels when None) -> (out [Q, Hq, dv], lse [Q, Hq] float32)."""
-    if row.num_queries > SHORT_ROW_QUERIES:
+    if row.num_queries > SHORT_ROW_TOKENS:
         shared = row.shared_slots()
         keys = torch.cat((k_flat.index_select(0, shared), k_flat.index_select(0, row.diag_slots)))
         values = keys[..., :dv] if v_flat is None else torch.cat(
             (v_flat.index_select(0, shared), v_flat.index_select(0, row.diag_slots)))
         return long_owned_attention(q, keys.to(q.dtype), values.to(q.dtype), shared.shape[0], row, scale)
     return short_owned_attention(q, k_flat, v_flat, row, scale, dv)
-
-
-SHORT_ROW_QUERIES = 16  # as SHORT_ROW_TOKENS: decode and verification rows
 
 
 def short_owned_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor | None, row: OwnedRow,
@@ -190,10 +189,9 @@ def _masked_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         lse = torch.logsumexp(scores, dim=-1)
         probs = (scores - torch.where(torch.isfinite(lse), lse, 0)[..., None]).exp()
         out = torch.matmul(probs.to(v.dtype), v)
-    blind = ~row.diag_visible.any(dim=-1)  # [Q]
-    if bool(blind.any()):
-        lse = lse.masked_fill(blind, NEG_INF)
-        out = out.masked_fill(blind[:, None], 0)
+    if row.diag_blind is not None:
+        lse = lse.masked_fill(row.diag_blind, NEG_INF)
+        out = out.masked_fill(row.diag_blind[:, None], 0)
     return out, lse
 
 

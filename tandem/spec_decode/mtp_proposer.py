@@ -30,7 +30,7 @@ from tandem.models.mtp import DeepSeekMTP
 from tandem.spec_decode.draft_sampling import pack_drafts, sample_draft
 from tandem.spec_decode.proposer import Proposal, TargetStep
 from tandem.worker.input_batch import InputBatch, global_attention_metadata
-from tandem.worker.pcp_hooks import PCPHooks, ShardedKVPCPHooks
+from tandem.worker.pcp_hooks import ShardedKVPCPHooks
 
 
 class MTPProposer:
@@ -88,7 +88,7 @@ class MTPProposer:
         drafts, draft_probs = [tokens], [probs]
         num_rows = len(last_idx)
         # a sharded drafter's own KV is sharded like the target's: its decodes attend over owned keys too
-        kv_shard = step.pcp if self.sharded and step.pcp.kv_sharded else None
+        kv_shard = step.pcp if self.sharded and isinstance(step.pcp, ShardedKVPCPHooks) else None
         decode = DraftDecodeMetadata(plan, batch, self.block_size, self.max_model_len, max_seq_len, kv_shard)
         for i in range(1, k):
             step_pos = positions + i
@@ -156,7 +156,7 @@ class DraftDecodeMetadata:
     row may read; a row beyond it is a bug, never a silent truncation."""
 
     def __init__(self, plan: StepPlan, batch: InputBatch, block_size: int, max_model_len: int, max_seq_len: int,
-                 kv_shard: PCPHooks | None = None):
+                 kv_shard: ShardedKVPCPHooks | None = None):
         self.block_size, self.max_model_len, self.max_seq_len = block_size, max_model_len, max_seq_len
         self.kv_shard = kv_shard  # sharded KV (ShardedKVPCPHooks): rows over this rank's own keys, merged
         self.table = batch.block_table[batch.sample_rows]  # [S, max_blocks]
@@ -181,10 +181,10 @@ class DraftDecodeMetadata:
             raise RuntimeError(f"draft attention bound {self.max_seq_len} does not cover a draft row of "
                                f"{int(seq_lens.max())} keys")
         write_rows = writes.nonzero().squeeze(1)
-        if isinstance(self.kv_shard, ShardedKVPCPHooks):  # replicated rows: no query gather, every row merged
+        if self.kv_shard is not None:  # replicated rows: no query gather, every row merged
             return self.kv_shard.rows_metadata(
                 clamped.cpu().numpy(), self.query_start_loc.numpy(), seq_lens.numpy(), self.table.cpu().numpy(),
-                write_rows.cpu().numpy(), slots[writes].cpu().numpy(), positions.shape[0], clamped.device)
+                write_rows.cpu().numpy(), slots[writes].cpu().numpy(), clamped.device)
         if self.base is None:
             self.base = build_attention_metadata(clamped, self.query_start_loc, seq_lens, self.table,
                                                  self.block_size, write_rows, slots[writes], key_bound=self.max_seq_len)

@@ -19,6 +19,7 @@ from tandem.attention.sharded_kv import ShardedAttentionMetadata, merge_partials
 from tandem.distributed.groups import Group
 from tandem.worker.input_batch import InputBatch, global_attention_metadata
 from tandem.worker.pcp import (
+    LocalView,
     PCPPartition,
     local_metadata,
     pad_local,
@@ -45,7 +46,7 @@ class PCPHooks:
 
     def __init__(self, pcp: Group, block_size: int):
         self.pcp, self.block_size = pcp, block_size
-        self.bytes_gathered = 0  # bytes this rank received from all-gathers so far (benchmarks read it)
+        self.bytes_gathered = 0  # bytes this rank received from PCP collectives so far (tandem:pcp_gathered_bytes)
 
     def maybe_partition(self, batch: InputBatch) -> LocalBatch:
         return LocalBatch(batch.input_ids, batch.positions, global_attention_metadata(batch, self.block_size))
@@ -83,14 +84,20 @@ class PartitionedPCPHooks(PCPHooks):
         self.part: PCPPartition | None = None  # this step's partition
         self.token_idx = torch.empty(0, dtype=torch.int64)  # [T_r] global index of each local token
 
-    def maybe_partition(self, batch: InputBatch) -> LocalBatch:
-        real_slots = batch.slot_mapping[: batch.num_tokens - batch.num_padding]  # padding never writes
-        writes = real_slots >= 0
+    def _partition(self, batch: InputBatch) -> tuple[PCPPartition, LocalView, torch.Tensor]:
+        """This step's partition and this rank's view of it (kept for the step's gathers), and the slots of the
+        real tokens (padding never writes)."""
         # graph padding belongs to no rank's segments; restore() gives it zero rows
         part = partition(batch.query_start_loc_np, batch.is_prefill_cpu.numpy(), self.pcp.size, batch.num_padding)
         view = local_metadata(part, self.pcp.rank, batch.positions.cpu().numpy(), batch.block_table.cpu().numpy())
+        self.part = part
+        self.token_idx = torch.from_numpy(view.token_idx).to(batch.input_ids.device)
+        return part, view, batch.slot_mapping[: batch.num_tokens - batch.num_padding]
+
+    def maybe_partition(self, batch: InputBatch) -> LocalBatch:
+        part, view, real_slots = self._partition(batch)
+        writes = real_slots >= 0
         device = batch.input_ids.device
-        self.token_idx = torch.from_numpy(view.token_idx).to(device)
         # K/V are written from the gathered [P * max_local] tensor: each global token once, from the copy
         # that kv_write_idx names (prefill tokens from their owner rank, decode tokens from rank 0).
         write_rows = torch.from_numpy(part.kv_write_idx).to(device)[writes]
@@ -98,7 +105,6 @@ class PartitionedPCPHooks(PCPHooks):
             torch.from_numpy(view.positions).to(device), torch.from_numpy(view.query_start_loc),
             torch.from_numpy(view.seq_lens), torch.from_numpy(view.block_table).to(device), self.block_size,
             write_rows, real_slots[writes])
-        self.part = part
         return LocalBatch(batch.input_ids[self.token_idx], meta.positions, meta)
 
     def localize(self, x: torch.Tensor) -> torch.Tensor:
@@ -140,25 +146,28 @@ class ShardedKVPCPHooks(PartitionedPCPHooks):
 
     kv_sharded = True
 
+    def __init__(self, pcp: Group, block_size: int):
+        super().__init__(pcp, block_size)
+        # this step's all-to-all of partials: global rows each rank holds, concatenated in rank order, and counts
+        self.send_idx = torch.empty(0, dtype=torch.int64)
+        self.send_counts: list[int] = []
+
     def maybe_partition(self, batch: InputBatch) -> LocalBatch:
-        real_slots = batch.slot_mapping[: batch.num_tokens - batch.num_padding]  # padding never writes
-        writes = (real_slots >= 0).cpu().numpy()
-        part = partition(batch.query_start_loc_np, batch.is_prefill_cpu.numpy(), self.pcp.size, batch.num_padding)
-        positions = batch.positions.cpu().numpy()
-        view = local_metadata(part, self.pcp.rank, positions, batch.block_table.cpu().numpy())
+        part, view, real_slots = self._partition(batch)
+        slots = real_slots.cpu().numpy()
+        writes = slots >= 0
         device = batch.input_ids.device
-        self.token_idx = torch.from_numpy(view.token_idx).to(device)
-        self.part = part
+        self.send_idx = torch.from_numpy(np.concatenate(part.local_token_idx)).to(device)
+        self.send_counts = [len(idx) for idx in part.local_token_idx]
         # decodes only: every rank holds every token in global order already, so the queries need no gather
         gather_queries = self._gather_queries if bool(batch.is_prefill_cpu.any()) else self._pad_queries
-        meta = self.rows_metadata(positions, batch.query_start_loc_np, batch.seq_lens_cpu.numpy(),
-                                  batch.block_table.cpu().numpy(), part.kv_write_idx[writes],
-                                  real_slots.cpu().numpy()[writes], batch.num_tokens, device, gather_queries,
-                                  self._merge_local)
+        meta = self.rows_metadata(batch.positions.cpu().numpy(), batch.query_start_loc_np,
+                                  batch.seq_lens_cpu.numpy(), batch.block_table.cpu().numpy(),
+                                  part.kv_write_idx[writes], slots[writes], device, gather_queries, self._merge_local)
         return LocalBatch(batch.input_ids[self.token_idx], torch.from_numpy(view.positions).to(device), meta)
 
     def rows_metadata(self, positions: np.ndarray, query_start_loc: np.ndarray, seq_lens: np.ndarray,
-                      block_table: np.ndarray, write_rows: np.ndarray, write_slots: np.ndarray, num_queries: int,
+                      block_table: np.ndarray, write_rows: np.ndarray, write_slots: np.ndarray,
                       device: torch.device | str, gather_queries: Callable[[torch.Tensor], torch.Tensor] | None = None,
                       merge: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
                       ) -> ShardedAttentionMetadata:
@@ -168,7 +177,7 @@ class ShardedKVPCPHooks(PartitionedPCPHooks):
         groups, rows = owned_plan(positions, query_start_loc, seq_lens, block_table, self.block_size,
                                   self.pcp.rank, self.pcp.size, device, in_place=torch.device(device).type == "cpu")
         return ShardedAttentionMetadata(
-            rows=rows, groups=groups, num_queries=num_queries,
+            rows=rows, groups=groups,
             write_rows=torch.from_numpy(np.asarray(write_rows, dtype=np.int64)[keep]).to(device),
             write_slots=torch.from_numpy(local.astype(np.int64)).to(device),
             gather_queries=gather_queries or (lambda q: q), merge=merge or self._merge_all)
@@ -182,27 +191,21 @@ class ShardedKVPCPHooks(PartitionedPCPHooks):
         num_pad = self.part.num_tokens + self.part.num_padding - q.shape[0]
         return torch.cat((q, q.new_zeros(num_pad, *q.shape[1:]))) if num_pad else q
 
-    def _gather_partials(self, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # one all-gather of [T, H, Dv + 1] float32 -> ([P, T, H, Dv], [P, T, H])
-        packed = self.all_gather(torch.cat((out.float(), lse[..., None]), dim=-1))
-        packed = packed.view(self.pcp.size, *out.shape[:-1], out.shape[-1] + 1)
-        return packed[..., :-1], packed[..., -1]
-
     def _merge_local(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
         """Each rank sends every other rank the partials of that rank's own tokens only (one all-to-all), and
         merges the P partials of its tokens: [T_r, H, Dv]."""
-        assert self.part is not None
-        packed = torch.cat((out.float(), lse[..., None]), dim=-1)  # [T, H, Dv + 1]
-        counts = [len(idx) for idx in self.part.local_token_idx]
-        send = packed[torch.from_numpy(np.concatenate(self.part.local_token_idx)).to(packed.device)]
-        mine = counts[self.pcp.rank]
-        recv = self.pcp.all_to_all(send, counts, [mine] * self.pcp.size)
+        packed = torch.cat((out.float(), lse[..., None]), dim=-1)[self.send_idx]  # [sum T_r, H, Dv + 1]
+        mine = self.send_counts[self.pcp.rank]
+        recv = self.pcp.all_to_all(packed, self.send_counts, [mine] * self.pcp.size)
         self.bytes_gathered += recv.numel() * recv.element_size()
         recv = recv.view(self.pcp.size, mine, *packed.shape[1:])
         return merge_partials(recv[..., :-1], recv[..., -1])
 
     def _merge_all(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-        return merge_partials(*self._gather_partials(out, lse))
+        """Rows on every rank (MTP's draft decodes): one all-gather of [T, H, Dv + 1] float32, every row merged."""
+        packed = self.all_gather(torch.cat((out.float(), lse[..., None]), dim=-1))
+        packed = packed.view(self.pcp.size, *out.shape[:-1], out.shape[-1] + 1)
+        return merge_partials(packed[..., :-1], packed[..., -1])
 
 
 def make_pcp_hooks(pcp: Group, block_size: int, kv_layout: str = "replicated") -> PCPHooks:

@@ -24,8 +24,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tandem.attention.metadata import GATHER_MAX_KEYS, IN_PLACE_MIN_KEYS, MIN_RUN_KEYS
-from tandem.attention.sharded_kv import SHORT_ROW_QUERIES, OwnedGroup, OwnedRow
+from tandem.attention.metadata import GATHER_MAX_KEYS, IN_PLACE_MIN_KEYS, MIN_RUN_KEYS, SHORT_ROW_TOKENS
+from tandem.attention.sharded_kv import OwnedGroup, OwnedRow
 
 
 def owner_rank(block_ids: np.ndarray | int, pcp_size: int) -> np.ndarray | int:
@@ -49,40 +49,30 @@ def owned_writes(write_slots: np.ndarray, block_size: int, rank: int, pcp_size: 
     return keep, local_slots(write_slots[keep], block_size, pcp_size)
 
 
-def owned_rows(positions: np.ndarray, query_start_loc: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray,
-               block_size: int, rank: int, pcp_size: int, device: torch.device | str,
-               in_place: bool = True) -> list[OwnedRow]:
-    """Every global row's keys that `rank` owns, one OwnedRow each. positions [T] and query_start_loc [R + 1]
-    index the global queries; seq_lens [R] keys each row sees after this step's write; block_table
-    [R, max_blocks] global ids. `in_place`: short rows with many shared keys read contiguous runs as views."""
-    rows = []
-    for i in range(len(query_start_loc) - 1):
-        start, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
-        if end > start:
-            rows.append(_owned_row(start, end - start, int(positions[start]), int(seq_lens[i]), block_table[i],
-                                   block_size, rank, pcp_size, device, in_place))
-    return rows
-
-
 def owned_plan(positions: np.ndarray, query_start_loc: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray,
-               block_size: int, rank: int, pcp_size: int, device: torch.device | str,
-               in_place: bool = True) -> tuple[list[OwnedGroup], list[OwnedRow]]:
-    """As owned_rows, but the short rows that see few owned keys are padded into one OwnedGroup (one batched
-    attention call for all of them, as the replicated layout's PrefixGroup): rows of at most SHORT_ROW_QUERIES
-    queries while the longest stays under IN_PLACE_MIN_KEYS owned keys and the group pads to at most
-    GATHER_MAX_KEYS keys (off the CPU every short row is grouped). The other rows come back one by one."""
+               block_size: int, rank: int, pcp_size: int, device: torch.device | str, in_place: bool = True,
+               batch_short_rows: bool = True) -> tuple[list[OwnedGroup], list[OwnedRow]]:
+    """Every global row's keys that `rank` owns. positions [T] and query_start_loc [R + 1] index the global
+    queries; seq_lens [R] keys each row sees after this step's write; block_table [R, max_blocks] global ids.
+
+    Short rows (at most SHORT_ROW_TOKENS queries) that see few owned keys are padded into one OwnedGroup, one
+    batched attention call for all of them (as the replicated layout's PrefixGroup): while the longest stays under
+    IN_PLACE_MIN_KEYS owned keys and the group pads to at most GATHER_MAX_KEYS keys; off the CPU (`in_place`
+    False) every short row is grouped. The other rows come back one OwnedRow each, short ones with many shared
+    keys reading contiguous runs in place. `batch_short_rows=False`: every row alone (the tests' reference)."""
     bounds = [(i, int(query_start_loc[i]), int(query_start_loc[i + 1])) for i in range(len(query_start_loc) - 1)]
-    short = [(i, a, b) for i, a, b in bounds if 0 < b - a <= SHORT_ROW_QUERIES]
-    keys = {i: _owned_keys(int(seq_lens[i]), block_table[i], block_size, rank, pcp_size) for i, _, _ in short}
-    by_keys = sorted(short, key=lambda r: keys[r[0]][0].shape[0])
+    bounds = [(i, a, b) for i, a, b in bounds if b > a]
+    keys = {i: _owned_keys(int(seq_lens[i]), block_table[i], block_size, rank, pcp_size) for i, _, _ in bounds}
+    by_keys = sorted(((i, a, b) for i, a, b in bounds if b - a <= SHORT_ROW_TOKENS and batch_short_rows),
+                     key=lambda r: keys[r[0]][0].shape[0])
     while in_place and by_keys and (keys[by_keys[-1][0]][0].shape[0] >= IN_PLACE_MIN_KEYS
                                     or len(by_keys) * keys[by_keys[-1][0]][0].shape[0] > GATHER_MAX_KEYS):
         by_keys.pop()
     grouped = {i for i, _, _ in by_keys}
-    groups = [_owned_group([(a, b - a, int(positions[a]), *keys[i]) for i, a, b in short if i in grouped], device)
+    groups = [_owned_group([(a, b - a, int(positions[a]), *keys[i]) for i, a, b in bounds if i in grouped], device)
               ] if grouped else []
-    rows = [_owned_row(a, b - a, int(positions[a]), int(seq_lens[i]), block_table[i], block_size, rank, pcp_size,
-                       device, in_place) for i, a, b in bounds if b > a and i not in grouped]
+    rows = [_owned_row(a, b - a, int(positions[a]), *keys[i], device, in_place)
+            for i, a, b in bounds if i not in grouped]
     return groups, rows
 
 
@@ -92,7 +82,7 @@ def _owned_keys(seq_len: int, blocks: np.ndarray, block_size: int, rank: int, pc
     pos = np.arange(seq_len)
     ids = blocks[pos // block_size].astype(np.int64)
     mine = owner_rank(ids, pcp_size) == rank
-    return (ids[mine] // pcp_size) * block_size + pos[mine] % block_size, pos[mine]
+    return local_slots(ids[mine] * block_size + pos[mine] % block_size, block_size, pcp_size), pos[mine]
 
 
 def _owned_group(rows: list[tuple[int, int, int, np.ndarray, np.ndarray]], device: torch.device | str) -> OwnedGroup:
@@ -119,39 +109,28 @@ def _owned_group(rows: list[tuple[int, int, int, np.ndarray, np.ndarray]], devic
     return OwnedGroup(t(token_idx), t(token_valid), t(kv_slots), t(visible))
 
 
-def _owned_row(token_start: int, num_queries: int, first_pos: int, seq_len: int, blocks: np.ndarray,
-               block_size: int, rank: int, pcp_size: int, device: torch.device | str, in_place: bool) -> OwnedRow:
-    num_blocks = -(-seq_len // block_size)
-    ids = blocks[:num_blocks].astype(np.int64)
-    j = np.flatnonzero(owner_rank(ids, pcp_size) == rank)  # block indices this rank owns
-    local = ids[j] // pcp_size
-    lo = j * block_size  # first position of each owned block
-    hi = np.minimum(lo + block_size, seq_len)
-    shared_hi = np.clip(first_pos, lo, hi)  # shared keys of block: [lo, shared_hi); diag: [max(lo, first), hi)
-    # runs of shared keys: blocks back to back in the local pool, each full up to its successor
-    runs: list[tuple[int, int]] = []
-    for b, a, e in zip(local.tolist(), lo.tolist(), shared_hi.tolist(), strict=True):
-        if e <= a:
-            continue
-        first = b * block_size
-        if runs and runs[-1][0] + runs[-1][1] == first and runs[-1][1] % block_size == 0:
-            runs[-1] = (runs[-1][0], runs[-1][1] + e - a)
-        else:
-            runs.append((first, e - a))
-    num_shared = sum(n for _, n in runs)
-    long = num_queries > SHORT_ROW_QUERIES
-    keep_views = in_place and not long and num_shared >= IN_PLACE_MIN_KEYS
-    views = tuple(r for r in runs if r[1] >= MIN_RUN_KEYS) if keep_views else ()
-    rest = [np.arange(a, a + n) for a, n in runs if (a, n) not in views]
-    gathered = np.concatenate(rest) if rest else np.zeros(0, dtype=np.int64)
-    d_lo = np.maximum(lo, first_pos)
-    diag_pos = np.concatenate([np.arange(a, e) for a, e in zip(d_lo.tolist(), hi.tolist(), strict=True) if e > a]
-                              or [np.zeros(0, dtype=np.int64)])
-    diag_slots = (ids[diag_pos // block_size] // pcp_size) * block_size + diag_pos % block_size
+def _owned_row(token_start: int, num_queries: int, first_pos: int, slots: np.ndarray, pos: np.ndarray,
+               device: torch.device | str, in_place: bool) -> OwnedRow:
+    """One row from its owned keys' (local slots, positions): shared = before the first query, diag = the rest."""
+    shared = slots[pos < first_pos]
+    diag_slots, diag_pos = slots[pos >= first_pos], pos[pos >= first_pos]
+    long = num_queries > SHORT_ROW_TOKENS
+    views: tuple[tuple[int, int], ...] = ()
+    gathered = shared
+    if in_place and not long and shared.shape[0] >= IN_PLACE_MIN_KEYS:
+        # runs of consecutive local slots (a request's blocks back to back in this rank's pool) are read as views;
+        # runs too short to pay for their own matmuls are gathered
+        cuts = [0, *(np.flatnonzero(np.diff(shared) != 1) + 1).tolist(), shared.shape[0]]
+        spans = list(zip(cuts[:-1], cuts[1:], strict=True))
+        views = tuple((int(shared[a]), b - a) for a, b in spans if b - a >= MIN_RUN_KEYS)
+        rest = [shared[a:b] for a, b in spans if b - a < MIN_RUN_KEYS]
+        gathered = np.concatenate(rest) if rest else np.zeros(0, dtype=np.int64)
     q_pos = first_pos + np.arange(num_queries)
-    visible = torch.from_numpy(q_pos[:, None] >= diag_pos[None, :]).to(device)  # [Q, n_d]
+    visible = q_pos[:, None] >= diag_pos[None, :]  # [Q, n_d]
+    blind = ~visible.any(axis=1) if diag_pos.shape[0] else np.zeros(num_queries, dtype=bool)
     bias = None
     if long:
-        bias = torch.zeros(visible.shape, dtype=torch.float32, device=device).masked_fill_(~visible, float("-inf"))
+        bias = torch.from_numpy(np.where(visible, 0.0, -np.inf).astype(np.float32)).to(device)
     return OwnedRow(token_start, num_queries, views, torch.from_numpy(gathered.astype(np.int64)).to(device),
-                    torch.from_numpy(diag_slots.astype(np.int64)).to(device), visible, bias)
+                    torch.from_numpy(diag_slots.astype(np.int64)).to(device), torch.from_numpy(visible).to(device),
+                    bias, torch.from_numpy(blind).to(device) if blind.any() else None)

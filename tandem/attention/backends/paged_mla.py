@@ -13,10 +13,9 @@ import torch
 
 from tandem.attention.backend import AttentionBackend, register_backend
 from tandem.attention.backends.prefix import prefix_attention, write_kv
-from tandem.attention.metadata import AttentionMetadata, gather_rows
+from tandem.attention.metadata import SHORT_ROW_TOKENS, AttentionMetadata, gather_rows
 from tandem.attention.mla import MLAUpProjection, absorb, long_row_attention, prefers_expanded, up_project
 from tandem.attention.sharded_kv import (
-    SHORT_ROW_QUERIES,
     OwnedGroup,
     OwnedRow,
     ShardedAttentionMetadata,
@@ -82,7 +81,7 @@ class PagedMLABackend(AttentionBackend):
 
         def row_attention(row: OwnedRow, qr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             num_keys = row.num_shared + row.diag_slots.shape[0]
-            if row.num_queries > SHORT_ROW_QUERIES and prefers_expanded(row.num_queries, num_keys, up, rope):
+            if row.num_queries > SHORT_ROW_TOKENS and prefers_expanded(row.num_queries, num_keys, up, rope):
                 latent = torch.cat((cache_flat.index_select(0, row.shared_slots()),
                                     cache_flat.index_select(0, row.diag_slots))).to(q.dtype)  # [S, L + R]
                 kv = torch.matmul(latent[:, :lora], up.kv_b().t()).view(-1, heads, nope + up.w_uv.shape[1])

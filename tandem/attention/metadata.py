@@ -27,6 +27,11 @@ GATHER_MAX_KEYS = 8192
 # A contiguous run of fewer keys than this is gathered with the row's tail instead of read as its own view:
 # two small matmul calls cost about as much as copying this many keys.
 MIN_RUN_KEYS = 64
+# Cascade attention: when every short row of a step (at least two) reads the same first cache blocks (a prefix-cache
+# hit they share: few-shot exemplars, a system prompt) for at least this many keys, those keys are attended once for
+# all of the rows' queries (one matmul over keys read once) and each row reads only its own keys beyond them; the two
+# parts merge by log-sum-exp. vLLM's cascade attention uses the same bound.
+CASCADE_MIN_KEYS = 256
 
 
 @dataclass
@@ -43,6 +48,9 @@ class PrefixGroup:
     # ~mask, or None when every query may see every gathered key (one request's decode): computed once a step,
     # not once a layer
     blocked: torch.Tensor | None = None
+    # position of key 0 of kv_slots: the shared prefix's length when the step has one (its keys are attended
+    # apart, SharedPrefix), else 0
+    key_offset: int = 0
 
     def with_mask(self, mask: torch.Tensor) -> PrefixGroup:
         return dataclasses.replace(self, mask=mask, blocked=~mask)
@@ -95,6 +103,19 @@ class RowKeys:
     tail_slots: torch.Tensor  # [n_tail] int64
 
 
+@dataclass(frozen=True)
+class SharedPrefix:
+    """Keys at positions [0, num_keys) that every short row of the step reads through the same cache blocks
+    (cascade attention, CASCADE_MIN_KEYS): attended once for all the short rows' queries, then merged by LSE with
+    each row's attention over its own keys from num_keys on (the groups' and RowKeys' keys start there). Every
+    short-row query sits at or after num_keys, so these keys are visible to all of them, unmasked."""
+
+    num_keys: int
+    slots: torch.Tensor  # [num_keys] int64 cache slots
+    first_slot: int | None  # the slots are first_slot .. first_slot + num_keys - 1 (read as one view), or None
+    token_idx: torch.Tensor | None  # [T_short] int64 the short rows' query tokens, or None: every token of the step
+
+
 @dataclass
 class AttentionMetadata:
     positions: torch.Tensor  # [num_tokens] int64
@@ -107,6 +128,7 @@ class AttentionMetadata:
     write_slots: torch.Tensor  # [num_writes] int64 their cache slots (PAD_SLOT_ID rows are left out)
     long_rows: list[LongRow] = dataclasses.field(default_factory=list)
     row_keys: list[RowKeys] | None = None  # the short rows read in place (CPU), or None: `groups` gathers them
+    shared_prefix: SharedPrefix | None = None  # keys every short row shares, attended once for all of them
 
 
 def build_attention_metadata(positions: torch.Tensor, query_start_loc_cpu: torch.Tensor,
@@ -120,24 +142,54 @@ def build_attention_metadata(positions: torch.Tensor, query_start_loc_cpu: torch
     seq_lens = seq_lens_cpu.tolist()
     short = [i for i, n in enumerate(q_lens) if n <= SHORT_ROW_TOKENS]
     table_np = block_table.numpy() if block_table.device.type == "cpu" else None
+    shared = _shared_prefix(short, q_lens, seq_lens, query_start_loc_cpu, table_np, block_size, positions)
+    start = shared.num_keys if shared is not None else 0  # the short rows' own keys begin here
     in_place: list[int] = []
     if table_np is not None and key_bound is None:  # off the CPU (and for MTP's bounded drafts) the gather stays
         by_keys = sorted(short, key=lambda i: seq_lens[i])
-        while by_keys and (seq_lens[by_keys[-1]] >= IN_PLACE_MIN_KEYS
-                           or len(by_keys) * seq_lens[by_keys[-1]] > GATHER_MAX_KEYS):
+        while by_keys and (seq_lens[by_keys[-1]] - start >= IN_PLACE_MIN_KEYS
+                           or len(by_keys) * (seq_lens[by_keys[-1]] - start) > GATHER_MAX_KEYS):
             in_place.append(by_keys.pop())
         gathered = set(by_keys)
         short = [i for i in short if i in gathered]  # kept in batch order: a batch of decodes stays dense
-    row_keys = [_row_keys(int(query_start_loc_cpu[i]), q_lens[i], seq_lens[i], table_np[i], block_size)
+    row_keys = [_row_keys(int(query_start_loc_cpu[i]), q_lens[i], seq_lens[i], table_np[i], block_size, start)
                 for i in sorted(in_place)] if table_np is not None and in_place else None
     groups = [_group([(i, 0, q_lens[i]) for i in short], positions, query_start_loc_cpu, seq_lens_cpu, block_table,
-                     block_size, key_bound)] if short else []
+                     block_size, key_bound, start)] if short else []
     long_rows = _long_rows([i for i, n in enumerate(q_lens) if n > SHORT_ROW_TOKENS], query_start_loc_cpu, q_lens,
                            seq_lens, block_table, table_np, block_size, positions.device)
     return AttentionMetadata(
         positions=positions, query_start_loc_cpu=query_start_loc_cpu, seq_lens_cpu=seq_lens_cpu,
         block_table=block_table, block_size=block_size, groups=groups, write_rows=write_rows,
-        write_slots=write_slots, long_rows=long_rows, row_keys=row_keys)
+        write_slots=write_slots, long_rows=long_rows, row_keys=row_keys, shared_prefix=shared)
+
+
+def _shared_prefix(short: list[int], q_lens: list[int], seq_lens: list[int], qsl: torch.Tensor,
+                   table: np.ndarray | None, block_size: int, positions: torch.Tensor) -> SharedPrefix | None:
+    """The whole blocks that every short row's table starts with and every one of its queries sees (they end
+    before the row's first query), when there are >= 2 such rows and >= CASCADE_MIN_KEYS shared keys; on the CPU
+    only (the host block table is at hand there)."""
+    if table is None or len(short) < 2:
+        return None
+    # blocks wholly before each row's first query: those keys are unmasked for all of its queries
+    limit = min((seq_lens[i] - q_lens[i]) // block_size for i in short)
+    if limit * block_size < CASCADE_MIN_KEYS:
+        return None
+    rows = table[short, :limit]  # [R, limit]
+    differs = np.flatnonzero((rows != rows[0]).any(axis=0))
+    num_blocks = int(differs[0]) if differs.size else limit
+    num_keys = num_blocks * block_size
+    if num_keys < CASCADE_MIN_KEYS:
+        return None
+    blocks = rows[0, :num_blocks].astype(np.int64)
+    slots = (blocks[:, None] * block_size + np.arange(block_size)).reshape(-1)
+    contiguous = bool((np.diff(blocks) == 1).all())
+    token_idx = None
+    if len(short) < len(q_lens):  # beside long rows: name the short rows' tokens
+        token_idx = torch.from_numpy(np.concatenate([np.arange(int(qsl[i]), int(qsl[i]) + q_lens[i]) for i in short]))
+        token_idx = token_idx.to(positions.device)
+    return SharedPrefix(num_keys, torch.from_numpy(slots).to(positions.device),
+                        int(slots[0]) if contiguous else None, token_idx)
 
 
 def _long_rows(rows: list[int], qsl: torch.Tensor, q_lens: list[int], seq_lens: list[int], block_table: torch.Tensor,
@@ -171,17 +223,20 @@ def _row_slots(table: np.ndarray, row: int, seq_len: int, block_size: int, devic
     return torch.from_numpy(slots).to(device)
 
 
-def _row_keys(token_start: int, num_queries: int, seq_len: int, blocks: np.ndarray, block_size: int) -> RowKeys:
-    # keys every query sees: positions [0, seq_len - num_queries); the row's own tokens go last, in the tail
+def _row_keys(token_start: int, num_queries: int, seq_len: int, blocks: np.ndarray, block_size: int,
+              key_start: int = 0) -> RowKeys:
+    # keys every query sees: positions [key_start, seq_len - num_queries) (key_start: a SharedPrefix's length, a
+    # whole number of blocks); the row's own tokens go last, in the tail
     shared = seq_len - num_queries
+    first_block = key_start // block_size
     num_blocks = -(-shared // block_size)
-    ids = blocks[:num_blocks].astype(np.int64)
+    ids = blocks[first_block:num_blocks].astype(np.int64)
     runs: list[tuple[int, int]] = []
     gathered: list[np.ndarray] = []
-    if num_blocks:
+    if num_blocks > first_block:
         breaks = np.flatnonzero(np.diff(ids) != 1) + 1
-        for a, b in zip([0, *breaks.tolist()], [*breaks.tolist(), num_blocks], strict=True):
-            n = min(b * block_size, shared) - a * block_size
+        for a, b in zip([0, *breaks.tolist()], [*breaks.tolist(), num_blocks - first_block], strict=True):
+            n = min((first_block + b) * block_size, shared) - (first_block + a) * block_size
             first = int(ids[a]) * block_size
             if n >= MIN_RUN_KEYS:
                 runs.append((first, n))
@@ -206,7 +261,8 @@ def row_groups(meta: AttentionMetadata) -> list[PrefixGroup]:
 
 
 def _group(pieces: list[tuple[int, int, int]], positions: torch.Tensor, qsl: torch.Tensor, seq_lens: torch.Tensor,
-           block_table: torch.Tensor, block_size: int, key_bound: int | None = None) -> PrefixGroup:
+           block_table: torch.Tensor, block_size: int, key_bound: int | None = None, key_start: int = 0) -> PrefixGroup:
+    """key_start: the group's keys are positions [key_start, visible) (a SharedPrefix holds the ones before)."""
     device = positions.device
     idx = torch.tensor([row for row, _, _ in pieces], dtype=torch.int64)
     starts = qsl[idx].long() + torch.tensor([off for _, off, _ in pieces], dtype=torch.int64)
@@ -222,7 +278,7 @@ def _group(pieces: list[tuple[int, int, int]], positions: torch.Tensor, qsl: tor
     q_off = torch.arange(q_max)
     token_valid = q_off[None, :] < lens[:, None]  # [G, Q]
     token_idx = (starts[:, None] + torch.minimum(q_off[None, :], lens[:, None] - 1)).to(device)
-    k_pos = torch.arange(s_max, device=device)  # [S]
+    k_pos = torch.arange(key_start, s_max, device=device)  # [S] positions of the gathered keys
     # a key bound may reach past the table's width: those keys are masked, any block id does
     blocks = block_table[idx.to(device)][:, (k_pos // block_size).clamp(max=block_table.shape[1] - 1)].long()
     k_valid = k_pos[None, :] < visible.to(device)[:, None]
@@ -237,7 +293,7 @@ def _group(pieces: list[tuple[int, int, int]], positions: torch.Tensor, qsl: tor
     # causal inside; under a key bound the queries sit below it): decided on the CPU, no device read per step.
     nothing_masked = key_bound is None and q_max == 1 and bool((visible == s_max).all())
     return PrefixGroup(token_idx=token_idx, token_valid=token_valid.to(device), kv_slots=kv_slots, mask=mask,
-                       dense=dense, blocked=None if nothing_masked else ~mask)
+                       dense=dense, blocked=None if nothing_masked else ~mask, key_offset=key_start)
 
 
 def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

@@ -190,8 +190,9 @@ class DraftDecodeMetadata:
                                                  self.block_size, write_rows, slots[writes], key_bound=self.max_seq_len)
             return self.base
         (group,) = self.base.groups  # one group of one-token rows, keys gathered up to max_seq_len
-        k_pos = torch.arange(group.kv_slots.shape[1], device=clamped.device)
-        mask = (k_pos[None, :] <= clamped[:, None])[:, None, None, :]  # [S, 1, 1, max_seq_len]
+        # (from key_offset on: a shared prefix before it is attended apart and seen by every row)
+        k_pos = torch.arange(group.key_offset, group.key_offset + group.kv_slots.shape[1], device=clamped.device)
+        mask = (k_pos[None, :] <= clamped[:, None])[:, None, None, :]  # [S, 1, 1, max_seq_len - key_offset]
         return dataclasses.replace(self.base, positions=clamped, seq_lens_cpu=seq_lens, write_rows=write_rows,
                                    write_slots=slots[writes], groups=[group.with_mask(mask)])
 

@@ -48,6 +48,7 @@ def test_the_switch_runs_dense_for_few_experts_gathered_for_few_pairs_and_the_lo
     moe = _moe()  # 8 experts, top-2: at most 4x the routed work, so dense up to 32 tokens (256 products)
     x, w, ids = _routing(3, 2, 7)
     assert moe._dense_pays(3, 2) and moe._dense_pays(32, 2) and not moe._dense_pays(33, 2)
+    assert moe._dense_pays(2, 2) and not moe._dense_pays(1, 2)  # one token's 2 pairs: under half the 8 experts
     assert not moe._dense_pays(3, 1)  # top-1 of 8: 8x the routed work
     assert torch.equal(moe.forward_eager(x, w, ids), moe._dense_experts(x, w, ids))
     many = _moe(num_experts=32)  # top-2 of 32 experts: never dense

@@ -195,13 +195,17 @@ class FusedMoE(nn.Module):
         return self._looped_experts(x, topk_weights, topk_ids)
 
     def _dense_pays(self, num_tokens: int, top_k: int) -> bool:
-        """Few local experts, each chosen by a large share of the tokens (a small model's decode or verification
-        step): running every expert over every token wastes at most 4x the routed multiply-adds but reads each
-        weight in place, once, with two batched matmuls and no index work. Measured on the CPU (8 experts, top-2,
-        hidden 256, one thread): 1 token 311 us vs 341-422 gathered, 4 tokens 482 vs 1,209-1,790 gathered,
-        32 tokens 1,346 vs 2,211 looped; at 64 tokens the loop catches up."""
-        return (self.num_local_experts <= DENSE_MAX_WASTE * top_k
-                and num_tokens * self.num_local_experts <= DENSE_MAX_PRODUCTS)
+        """Few local experts, each chosen by a large share of the tokens (a small model's verification step or
+        decode batch): running every expert over every token wastes at most 4x the routed multiply-adds but reads
+        each weight in place, once, with two batched matmuls and no index work. Measured on the CPU (8 experts,
+        top-2, hidden 256, one thread, weights hot): 4 tokens 470 us vs 1,217 gathered, 8 tokens 432 vs 1,045
+        looped, 32 tokens 1,215 vs 1,693 looped; at 64 tokens the loop catches up. One token's 2 choices stay
+        gathered: hot, dense is faster (285 vs 446 us), but inside the engine the weights are cold and dense reads
+        all 8 experts' weights for 2, which measured 0.86-1.06x in-process A/Bs (benchmarks/fast_paths.py); so
+        dense needs the routed pairs to be at least half the local experts."""
+        e = self.num_local_experts
+        return (e <= DENSE_MAX_WASTE * top_k and 2 * num_tokens * top_k >= e
+                and num_tokens * e <= DENSE_MAX_PRODUCTS)
 
     def _dense_experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         # Every local expert runs on every token; a choice the token did not make (or one owned by another

@@ -1,0 +1,77 @@
+"""A/B of one fast path inside one process: the same engine, the same prompts, the path switched on and off in
+alternating rounds (ABBA...), so the shared machine's drift hits both sides alike; prints median and best tok/s of
+each side and whether the tokens are identical.
+
+    python benchmarks/fast_paths.py --path cascade|dense-moe [--spec JSON] [--batch 32] [--reps 4] [--max-tokens 96]
+
+`cascade`: attention over a prefix every short row shares, once for all rows (metadata.CASCADE_MIN_KEYS).
+`dense-moe`: every local expert over every token when experts are few (FusedMoE._dense_pays).
+Prompts: 5-shot GSM8K test questions (benchmarks/spec_decode.py's), so the rows share the cached 5-shot prefix;
+greedy, `ignore_eos`, one torch thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tandem import LLM, SamplingParams
+from tandem.assets import DEFAULT_MODEL
+from tandem.attention import metadata
+from tandem.layers import moe
+
+sys.path.insert(0, str(Path(__file__).parent))
+from spec_decode import prompts  # noqa: E402
+
+
+def switch(path: str, on: bool, saved: dict[str, Any]) -> None:
+    if path == "cascade":
+        metadata.CASCADE_MIN_KEYS = saved["cascade"] if on else 10**9
+    else:
+        moe.FusedMoE._dense_pays = saved["dense"] if on else (lambda self, t, k: False)  # type: ignore[method-assign]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--path", choices=["cascade", "dense-moe"], required=True)
+    p.add_argument("--model", default=str(DEFAULT_MODEL))
+    p.add_argument("--spec", default=None, help="speculative_config as JSON")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--reps", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=96)
+    args = p.parse_args()
+    saved = {"cascade": metadata.CASCADE_MIN_KEYS, "dense": moe.FusedMoE._dense_pays}
+    llm = LLM(args.model, speculative_config=json.loads(args.spec) if args.spec else None)
+    torch.set_num_threads(1)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    batch = prompts(args.batch)
+    llm.generate(batch, params, use_tqdm=False)  # warm-up; caches the shared prefix
+    speeds: dict[bool, list[float]] = {True: [], False: []}
+    tokens: dict[bool, list[list[int]]] = {}
+    for r in range(args.reps):
+        for on in ((True, False) if r % 2 == 0 else (False, True)):
+            switch(args.path, on, saved)
+            start = time.perf_counter()
+            outs = llm.generate(batch, params, use_tqdm=False)
+            wall = time.perf_counter() - start
+            tokens[on] = [o.outputs[0].token_ids for o in outs]
+            speeds[on].append(sum(len(t) for t in tokens[on]) / wall)
+    switch(args.path, True, saved)
+    for on in (True, False):
+        v = speeds[on]
+        print(f"{args.path} {'on ' if on else 'off'} spec={args.spec or 'none'} batch={args.batch}: median "
+              f"{statistics.median(v):.1f} tok/s, best {max(v):.1f} (rounds {[round(x, 1) for x in v]})")
+    print(f"on / off (medians): {statistics.median(speeds[True]) / statistics.median(speeds[False]):.2f}x; "
+          f"identical tokens: {tokens[True] == tokens[False]}")
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -3,11 +3,15 @@ alternating rounds (ABBA...), so the shared machine's drift hits both sides alik
 each side and whether the tokens are identical.
 
     python benchmarks/fast_paths.py --path cascade|dense-moe [--spec JSON] [--batch 32] [--reps 4] [--max-tokens 96]
+        [--fresh]
 
 `cascade`: attention over a prefix every short row shares, once for all rows (metadata.CASCADE_MIN_KEYS).
 `dense-moe`: every local expert over every token when experts are few (FusedMoE._dense_pays).
 Prompts: 5-shot GSM8K test questions (benchmarks/spec_decode.py's), so the rows share the cached 5-shot prefix;
-greedy, `ignore_eos`, one torch thread.
+greedy, `ignore_eos`, one torch thread. By default every round reruns the same prompts (after the warm-up the whole
+prompts are cached, so the rounds time decoding); `--fresh` gives every run new questions behind the same cached
+5-shot prefix, so each run also prefills its questions (TTFT-heavy with few tokens), and checks identical tokens on
+one extra batch run both ways.
 """
 
 from __future__ import annotations
@@ -46,23 +50,33 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--reps", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--fresh", action="store_true", help="new questions every run (each run prefills them)")
     args = p.parse_args()
     saved = {"cascade": metadata.CASCADE_MIN_KEYS, "dense": moe.FusedMoE._dense_pays}
     llm = LLM(args.model, speculative_config=json.loads(args.spec) if args.spec else None)
     torch.set_num_threads(1)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    batch = prompts(args.batch)
+    runs = 2 * args.reps + 2 if args.fresh else 1
+    pool = prompts(args.batch * runs)
+    batches = iter([pool[i * args.batch:(i + 1) * args.batch] for i in range(runs)])
+    batch = next(batches)
     llm.generate(batch, params, use_tqdm=False)  # warm-up; caches the shared prefix
     speeds: dict[bool, list[float]] = {True: [], False: []}
     tokens: dict[bool, list[list[int]]] = {}
     for r in range(args.reps):
         for on in ((True, False) if r % 2 == 0 else (False, True)):
             switch(args.path, on, saved)
+            batch = next(batches) if args.fresh else batch
             start = time.perf_counter()
             outs = llm.generate(batch, params, use_tqdm=False)
             wall = time.perf_counter() - start
             tokens[on] = [o.outputs[0].token_ids for o in outs]
             speeds[on].append(sum(len(t) for t in tokens[on]) / wall)
+    if args.fresh:  # one new batch both ways (the second run finds the whole prompts cached: same tokens due)
+        batch = next(batches)
+        for on in (True, False):
+            switch(args.path, on, saved)
+            tokens[on] = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
     switch(args.path, True, saved)
     for on in (True, False):
         v = speeds[on]

@@ -130,25 +130,38 @@ def test_no_shared_prefix_when_rows_differ_one_row_or_too_few_keys():
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
-@pytest.mark.parametrize("arch,spec", [("llama", None), ("deepseek_v3", None),
-                                       ("deepseek_v3", {"method": "mtp", "num_speculative_tokens": 3})])
+@pytest.mark.parametrize("arch,spec,tails", [("llama", None, "short"), ("deepseek_v3", None, "short"),
+                                             ("deepseek_v3", {"method": "mtp", "num_speculative_tokens": 3}, "short"),
+                                             ("deepseek_v3", None, "long")])
 def test_batch_sharing_a_cached_prefix_gives_the_tokens_of_each_prompt_alone(tiny_checkpoints, monkeypatch,
-                                                                             arch, spec):
+                                                                             arch, spec, tails):
+    """short: the prompts' new tokens are short rows (cascade); long: prompt chunks of > 16 tokens, whose shared
+    prefix MLA expands once a layer for all of them (expanded attention forced on)."""
     monkeypatch.setattr("tandem.attention.metadata.CASCADE_MIN_KEYS", 64)  # the tiny checkpoints' short contexts
+    import tandem.attention.backends.paged_mla as mla_mod
     import tandem.attention.backends.prefix as prefix_mod
 
     merges = []
     real_merge = prefix_mod._merge_shared_prefix
     monkeypatch.setattr(prefix_mod, "_merge_shared_prefix", lambda *a: merges.append(1) or real_merge(*a))
+    hoisted = []
+    real_long = mla_mod.long_row_attention
+    monkeypatch.setattr(mla_mod, "long_row_attention",
+                        lambda *a: hoisted.append(a[-1] is not None and len(a) == 9) or real_long(*a))
+    if tails == "long":
+        monkeypatch.setattr(mla_mod, "prefers_expanded", lambda *a: True)
     path = str(tiny_checkpoints(arch, num_mtp_layers=1) if spec else tiny_checkpoints(arch))
     prefix = random_prompts([150], vocab_size=500, seed=3)[0]
-    prompts = [prefix + tail for tail in random_prompts([3, 7, 11, 5], vocab_size=500, seed=4)]
+    lengths = [3, 7, 11, 5] if tails == "short" else [20, 33, 24, 40]
+    prompts = [prefix + tail for tail in random_prompts(lengths, vocab_size=500, seed=4)]
     llm = LLM(path, dtype="float32", block_size=BLOCK, speculative_config=spec)
     llm.generate([{"prompt_token_ids": prompts[0]}], GREEDY, use_tqdm=False)  # caches the prefix's blocks
     batched = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
                                                             use_tqdm=False)]
     assert merges, "no step attended a shared prefix"
     merges.clear()
+    if tails == "long":
+        assert any(hoisted), "no prompt chunk reused the shared prefix's expansion"
     alone = LLM(path, dtype="float32", block_size=BLOCK, enable_prefix_caching=False)  # no spec: the oracle
     for p, got in zip(prompts, batched, strict=True):
         want = alone.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids

@@ -129,6 +129,9 @@ class AttentionMetadata:
     long_rows: list[LongRow] = dataclasses.field(default_factory=list)
     row_keys: list[RowKeys] | None = None  # the short rows read in place (CPU), or None: `groups` gathers them
     shared_prefix: SharedPrefix | None = None  # keys every short row shares, attended once for all of them
+    # keys every long row (>= 2 requests' prompt chunks) shares: MLA expands their latents once a layer, not once a
+    # row (its token_idx is unused)
+    long_prefix: SharedPrefix | None = None
 
 
 def build_attention_metadata(positions: torch.Tensor, query_start_loc_cpu: torch.Tensor,
@@ -156,12 +159,16 @@ def build_attention_metadata(positions: torch.Tensor, query_start_loc_cpu: torch
                 for i in sorted(in_place)] if table_np is not None and in_place else None
     groups = [_group([(i, 0, q_lens[i]) for i in short], positions, query_start_loc_cpu, seq_lens_cpu, block_table,
                      block_size, key_bound, start)] if short else []
-    long_rows = _long_rows([i for i, n in enumerate(q_lens) if n > SHORT_ROW_TOKENS], query_start_loc_cpu, q_lens,
-                           seq_lens, block_table, table_np, block_size, positions.device)
+    long_ids = [i for i, n in enumerate(q_lens) if n > SHORT_ROW_TOKENS]
+    long_rows = _long_rows(long_ids, query_start_loc_cpu, q_lens, seq_lens, block_table, table_np, block_size,
+                           positions.device)
+    long_prefix = _shared_prefix(long_ids, q_lens, seq_lens, query_start_loc_cpu, table_np, block_size,
+                                 positions) if len(long_rows) >= 2 else None
     return AttentionMetadata(
         positions=positions, query_start_loc_cpu=query_start_loc_cpu, seq_lens_cpu=seq_lens_cpu,
         block_table=block_table, block_size=block_size, groups=groups, write_rows=write_rows,
-        write_slots=write_slots, long_rows=long_rows, row_keys=row_keys, shared_prefix=shared)
+        write_slots=write_slots, long_rows=long_rows, row_keys=row_keys, shared_prefix=shared,
+        long_prefix=long_prefix)
 
 
 def _shared_prefix(short: list[int], q_lens: list[int], seq_lens: list[int], qsl: torch.Tensor,

@@ -63,17 +63,28 @@ def prefers_expanded(num_queries: int, seq_len: int, up: MLAUpProjection, rope: 
     return expanded < absorbed
 
 
+def expand_latents(latent: torch.Tensor, up: MLAUpProjection) -> tuple[torch.Tensor, torch.Tensor]:
+    """latent [S, L + rope] -> per-head keys [S, H, nope + rope] and values [S, H, v] (one GEMM)."""
+    heads, nope, lora = up.w_uk.shape
+    kv = torch.matmul(latent[:, :lora], up.kv_b().t()).view(-1, heads, nope + up.w_uv.shape[1])
+    k_pe = latent[:, None, lora:].expand(-1, heads, -1)
+    return torch.cat((kv[..., :nope], k_pe), dim=-1), kv[..., nope:]
+
+
 def long_row_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, pieces: Sequence[LongPiece],
-                       scale: float, up: MLAUpProjection, expanded: bool, out: torch.Tensor) -> None:
+                       scale: float, up: MLAUpProjection, expanded: bool, out: torch.Tensor,
+                       shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """One request's long pieces: q_nope [T, H, nope], q_pe [T, H, rope] (the step's tokens), latent [S, L + rope]
     its keys; writes out[piece's tokens] = [Q, H, v]. Each key is read (and, expanded, up-projected) once per
-    layer, however many pieces see it."""
+    layer, however many pieces see it. `shared` (expanded only): the expanded keys and values of the first P keys,
+    which other requests' rows share (metadata.long_prefix) and which were expanded once for all of them; latent
+    then holds keys P.. only."""
     heads, nope, lora = up.w_uk.shape
     if expanded:
-        kv = torch.matmul(latent[:, :lora], up.kv_b().t()).view(-1, heads, nope + up.w_uv.shape[1])  # one GEMM
-        k_pe = latent[:, None, lora:].expand(-1, heads, -1)
-        k = torch.cat((kv[..., :nope], k_pe), dim=-1).transpose(0, 1)  # [H, S, nope + rope]
-        v = kv[..., nope:].transpose(0, 1)  # [H, S, v]
+        k, v = expand_latents(latent, up)  # [S', H, nope + rope], [S', H, v]
+        if shared is not None:
+            k, v = torch.cat((shared[0], k)), torch.cat((shared[1], v))
+        k, v = k.transpose(0, 1), v.transpose(0, 1)  # [H, S, nope + rope], [H, S, v]
         for p in pieces:
             rows = slice(p.token_start, p.token_start + p.num_queries)
             q = torch.cat((q_nope[rows], q_pe[rows]), dim=-1).transpose(0, 1)  # [H, Q, nope + rope]

@@ -14,7 +14,14 @@ import torch
 from tandem.attention.backend import AttentionBackend, register_backend
 from tandem.attention.backends.prefix import prefix_attention, write_kv
 from tandem.attention.metadata import SHORT_ROW_TOKENS, AttentionMetadata, gather_rows
-from tandem.attention.mla import MLAUpProjection, absorb, long_row_attention, prefers_expanded, up_project
+from tandem.attention.mla import (
+    MLAUpProjection,
+    absorb,
+    expand_latents,
+    long_row_attention,
+    prefers_expanded,
+    up_project,
+)
 from tandem.attention.sharded_kv import (
     OwnedGroup,
     OwnedRow,
@@ -62,10 +69,20 @@ class PagedMLABackend(AttentionBackend):
             q_abs[short] = absorb(q_nope[short], q_pe[short], up)
             o_latent = prefix_attention(q_abs, lat, None, meta, scale, value_dims=lora, long_rows=False)
             out[short] = up_project(o_latent[short], up)
+        shared, num_shared = None, 0
         for lr in meta.long_rows:
+            expanded = prefers_expanded(lr.num_queries, lr.seq_len, up, q_pe.shape[-1])
+            if expanded and meta.long_prefix is not None:  # the rows' common prefix is expanded once a layer
+                if shared is None:
+                    prefix = meta.long_prefix
+                    lat = (cache_flat[prefix.first_slot: prefix.first_slot + prefix.num_keys]
+                           if prefix.first_slot is not None else cache_flat.index_select(0, prefix.slots))
+                    shared, num_shared = expand_latents(lat.to(q_nope.dtype), up), prefix.num_keys
+                latent = gather_rows(cache_flat, lr.kv_slots[num_shared:]).to(q_nope.dtype)  # [S - P, L + R]
+                long_row_attention(q_nope, q_pe, latent, lr.pieces, scale, up, True, out, shared)
+                continue
             latent = gather_rows(cache_flat, lr.kv_slots).to(q_nope.dtype)  # [S, L + R], read once per layer
-            long_row_attention(q_nope, q_pe, latent, lr.pieces, scale, up,
-                               prefers_expanded(lr.num_queries, lr.seq_len, up, q_pe.shape[-1]), out)
+            long_row_attention(q_nope, q_pe, latent, lr.pieces, scale, up, expanded, out)
         return out
 
     @staticmethod

@@ -18,20 +18,23 @@ from tandem.attention.metadata import build_attention_metadata
 BLOCK = 16
 
 
-def _layout(q_lens: list[int], seq_lens: list[int], shared_blocks: int, scattered: bool, seed: int
-            ) -> tuple[np.ndarray, int]:
+def _layout(q_lens: list[int], seq_lens: list[int], shared_blocks: int, scattered: bool, seed: int,
+            outsiders: int = 0) -> tuple[np.ndarray, int]:
     """A block table whose rows share their first `shared_blocks` blocks (consecutive ids or scattered ones) and
-    then own distinct blocks; -> (table [R, max_blocks] int32, number of blocks in the pool)."""
+    then own distinct blocks; the last `outsiders` rows share nothing; -> (table [R, max_blocks] int32, number of
+    blocks in the pool)."""
     rng = np.random.default_rng(seed)
     need = [-(-s // BLOCK) for s in seq_lens]
-    pool = shared_blocks + sum(n - shared_blocks for n in need) + 8
+    own = [n - (shared_blocks if i < len(q_lens) - outsiders else 0) for i, n in enumerate(need)]
+    pool = shared_blocks + sum(own) + 8
     ids = rng.permutation(pool) if scattered else np.arange(pool)
     table = np.zeros((len(q_lens), max(need)), dtype=np.int32)
-    table[:, :shared_blocks] = ids[:shared_blocks]
     nxt = shared_blocks
     for i, n in enumerate(need):
-        table[i, shared_blocks:n] = ids[nxt: nxt + n - shared_blocks]
-        nxt += n - shared_blocks
+        first = n - own[i]
+        table[i, :first] = ids[:first]
+        table[i, first:n] = ids[nxt: nxt + own[i]]
+        nxt += own[i]
     return table, pool
 
 
@@ -65,10 +68,11 @@ def _attend(q, k_flat, v_flat, table, q_lens, seq_lens, scale, value_dims=None):
     return prefix_attention(q, k_flat, v, meta, scale, value_dims=value_dims), meta
 
 
-CASES = [  # (q_lens, seq_lens, shared blocks)
-    ([1, 1, 1, 1], [330, 341, 352, 400], 20),  # a batch of decodes over a 320-key shared prefix
-    ([4, 4, 1], [336, 390, 329], 20),  # verification rows of K + 1 = 4 and a decode
-    ([1, 40, 4], [333, 40, 360], 20),  # a prompt chunk (a long row, no shared keys) beside two short rows
+CASES = [  # (q_lens, seq_lens, shared blocks, rows at the end that share nothing)
+    ([1, 1, 1, 1], [330, 341, 352, 400], 20, 0),  # a batch of decodes over a 320-key shared prefix
+    ([4, 4, 1], [336, 390, 329], 20, 0),  # verification rows of K + 1 = 4 and a decode
+    ([1, 40, 4], [333, 40, 360], 20, 0),  # a prompt chunk (a long row, no shared keys) beside two short rows
+    ([1, 4, 1, 1], [330, 350, 341, 90], 20, 2),  # two rows behind the prefix, two decodes of other requests
 ]
 
 
@@ -83,7 +87,7 @@ def test_shared_prefix_attention_equals_dense_causal_reference(monkeypatch, case
     else:
         monkeypatch.setattr("tandem.attention.metadata.IN_PLACE_MIN_KEYS", 10**9)
         monkeypatch.setattr("tandem.attention.metadata.GATHER_MAX_KEYS", 10**9)
-    q_lens, seq_lens, shared = CASES[case]
+    q_lens, seq_lens, shared, outsiders = CASES[case]
     if case == 2:  # the chunk is its own request: it shares nothing with the short rows
         table, pool = _layout([q_lens[0], q_lens[2]], [seq_lens[0], seq_lens[2]], shared, scattered, seed=case)
         own = np.zeros((1, table.shape[1]), dtype=np.int32)
@@ -91,7 +95,7 @@ def test_shared_prefix_attention_equals_dense_causal_reference(monkeypatch, case
         table = np.concatenate([table[:1], own, table[1:]])
         pool += -(-seq_lens[1] // BLOCK)
     else:
-        table, pool = _layout(q_lens, seq_lens, shared, scattered, seed=case)
+        table, pool = _layout(q_lens, seq_lens, shared, scattered, seed=case, outsiders=outsiders)
     g = torch.Generator().manual_seed(case)
     hq, hkv, dk, dv = (4, 1, 24, 16) if mla else (4, 2, 16, 8)
     k_flat = torch.randn(pool * BLOCK, hkv, dk, generator=g)
@@ -101,6 +105,11 @@ def test_shared_prefix_attention_equals_dense_causal_reference(monkeypatch, case
     got, meta = _attend(q, k_flat, v_flat, table, q_lens, seq_lens, 0.25, value_dims=dv if mla else None)
     assert meta.shared_prefix is not None and meta.shared_prefix.num_keys == shared * BLOCK
     assert (meta.shared_prefix.first_slot is None) == scattered
+    members = len(q_lens) - outsiders - (1 if case == 2 else 0)  # the prompt chunk is no member
+    token_idx = meta.shared_prefix.token_idx
+    assert (token_idx is None) == (members == len(q_lens))
+    if token_idx is not None:
+        assert token_idx.numel() == sum(q_lens[:2] if case == 3 else [q_lens[0], q_lens[2]])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     monkeypatch.setattr("tandem.attention.metadata.CASCADE_MIN_KEYS", 10**9)  # the same step without cascade
     plain, meta = _attend(q, k_flat, v_flat, table, q_lens, seq_lens, 0.25, value_dims=dv if mla else None)
@@ -125,6 +134,9 @@ def test_no_shared_prefix_when_rows_differ_one_row_or_too_few_keys():
     assert shared([1, 1], [400, 300], table).num_keys == 288  # (300 - 1) // 16 = 18 whole blocks
     disjoint, _ = _layout([1, 1], [400, 400], 0, False, 0)
     assert shared([1, 1], [400, 400], disjoint) is None
+    mixed, _ = _layout([1, 1, 1], [400, 400, 400], 20, False, 0, outsiders=1)
+    assert shared([1, 1, 1], [400, 400, 400], mixed).num_keys == 320  # the two rows behind it, not the third
+    assert shared([1, 1, 1], [400, 400, 400], mixed).token_idx.tolist() == [0, 1]
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -136,7 +148,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 def test_batch_sharing_a_cached_prefix_gives_the_tokens_of_each_prompt_alone(tiny_checkpoints, monkeypatch,
                                                                              arch, spec, tails):
     """short: the prompts' new tokens are short rows (cascade); long: prompt chunks of > 16 tokens, whose shared
-    prefix MLA expands once a layer for all of them (expanded attention forced on)."""
+    prefix MLA expands once a layer for all of them (expanded attention forced on). A fifth request with a prefix of
+    its own runs beside them (its rows are padded apart, without the shared prefix)."""
     monkeypatch.setattr("tandem.attention.metadata.CASCADE_MIN_KEYS", 64)  # the tiny checkpoints' short contexts
     import tandem.attention.backends.paged_mla as mla_mod
     import tandem.attention.backends.prefix as prefix_mod
@@ -154,6 +167,7 @@ def test_batch_sharing_a_cached_prefix_gives_the_tokens_of_each_prompt_alone(tin
     prefix = random_prompts([150], vocab_size=500, seed=3)[0]
     lengths = [3, 7, 11, 5] if tails == "short" else [20, 33, 24, 40]
     prompts = [prefix + tail for tail in random_prompts(lengths, vocab_size=500, seed=4)]
+    prompts.append(random_prompts([160], vocab_size=500, seed=5)[0])  # another request's own prefix: no member
     llm = LLM(path, dtype="float32", block_size=BLOCK, speculative_config=spec)
     llm.generate([{"prompt_token_ids": prompts[0]}], GREEDY, use_tqdm=False)  # caches the prefix's blocks
     batched = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,

@@ -27,9 +27,9 @@ GATHER_MAX_KEYS = 8192
 # A contiguous run of fewer keys than this is gathered with the row's tail instead of read as its own view:
 # two small matmul calls cost about as much as copying this many keys.
 MIN_RUN_KEYS = 64
-# Cascade attention: when every short row of a step (at least two) reads the same first cache blocks (a prefix-cache
-# hit they share: few-shot exemplars, a system prompt) for at least this many keys, those keys are attended once for
-# all of the rows' queries (one matmul over keys read once) and each row reads only its own keys beyond them; the two
+# Cascade attention: when two or more short rows of a step read the same first cache blocks (a prefix-cache hit they
+# share: few-shot exemplars, a system prompt) for at least this many keys, those keys are attended once for all of
+# those rows' queries (one matmul over keys read once) and each row reads only its own keys beyond them; the two
 # parts merge by log-sum-exp. vLLM's cascade attention uses the same bound.
 CASCADE_MIN_KEYS = 256
 
@@ -80,6 +80,7 @@ class LongRow:
 
     pieces: tuple[LongPiece, ...]
     kv_slots: torch.Tensor  # [max seq_len] int64
+    shares_prefix: bool = False  # its keys start with AttentionMetadata.long_prefix's (it is one of its rows)
 
     @property
     def seq_len(self) -> int:
@@ -105,15 +106,16 @@ class RowKeys:
 
 @dataclass(frozen=True)
 class SharedPrefix:
-    """Keys at positions [0, num_keys) that every short row of the step reads through the same cache blocks
-    (cascade attention, CASCADE_MIN_KEYS): attended once for all the short rows' queries, then merged by LSE with
-    each row's attention over its own keys from num_keys on (the groups' and RowKeys' keys start there). Every
-    short-row query sits at or after num_keys, so these keys are visible to all of them, unmasked."""
+    """Keys at positions [0, num_keys) that two or more short rows of the step (the largest such set; the member
+    rows) read through the same cache blocks (cascade attention, CASCADE_MIN_KEYS): attended once for all the
+    members' queries, then merged by LSE with each member's attention over its own keys from num_keys on (their
+    group's and RowKeys' keys start there; the other short rows are padded in a group of their own). Every member
+    query sits at or after num_keys, so these keys are visible to all of them, unmasked."""
 
     num_keys: int
     slots: torch.Tensor  # [num_keys] int64 cache slots
     first_slot: int | None  # the slots are first_slot .. first_slot + num_keys - 1 (read as one view), or None
-    token_idx: torch.Tensor | None  # [T_short] int64 the short rows' query tokens, or None: every token of the step
+    token_idx: torch.Tensor | None  # [T_members] int64 the member rows' query tokens, or None: every token of the step
 
 
 @dataclass
@@ -129,8 +131,8 @@ class AttentionMetadata:
     long_rows: list[LongRow] = dataclasses.field(default_factory=list)
     row_keys: list[RowKeys] | None = None  # the short rows read in place (CPU), or None: `groups` gathers them
     shared_prefix: SharedPrefix | None = None  # keys every short row shares, attended once for all of them
-    # keys every long row (>= 2 requests' prompt chunks) shares: MLA expands their latents once a layer, not once a
-    # row (its token_idx is unused)
+    # keys that >= 2 long rows (prompt chunks; LongRow.shares_prefix) share: MLA expands their latents once a layer,
+    # not once a row (its token_idx is unused)
     long_prefix: SharedPrefix | None = None
 
 
@@ -145,25 +147,29 @@ def build_attention_metadata(positions: torch.Tensor, query_start_loc_cpu: torch
     seq_lens = seq_lens_cpu.tolist()
     short = [i for i, n in enumerate(q_lens) if n <= SHORT_ROW_TOKENS]
     table_np = block_table.numpy() if block_table.device.type == "cpu" else None
-    shared = _shared_prefix(short, q_lens, seq_lens, query_start_loc_cpu, table_np, block_size, positions)
-    start = shared.num_keys if shared is not None else 0  # the short rows' own keys begin here
+    # MTP's bounded draft decodes keep one group (their masks move per decode): all rows share, or none do
+    shared, members = _shared_prefix(short, q_lens, seq_lens, query_start_loc_cpu, table_np, block_size, positions,
+                                     subset=key_bound is None)
+    start = {i: shared.num_keys if shared is not None and i in members else 0 for i in short}  # own keys begin
     in_place: list[int] = []
     if table_np is not None and key_bound is None:  # off the CPU (and for MTP's bounded drafts) the gather stays
-        by_keys = sorted(short, key=lambda i: seq_lens[i])
-        while by_keys and (seq_lens[by_keys[-1]] - start >= IN_PLACE_MIN_KEYS
-                           or len(by_keys) * (seq_lens[by_keys[-1]] - start) > GATHER_MAX_KEYS):
+        by_keys = sorted(short, key=lambda i: seq_lens[i] - start[i])
+        while by_keys and (seq_lens[by_keys[-1]] - start[by_keys[-1]] >= IN_PLACE_MIN_KEYS
+                           or len(by_keys) * (seq_lens[by_keys[-1]] - start[by_keys[-1]]) > GATHER_MAX_KEYS):
             in_place.append(by_keys.pop())
         gathered = set(by_keys)
         short = [i for i in short if i in gathered]  # kept in batch order: a batch of decodes stays dense
-    row_keys = [_row_keys(int(query_start_loc_cpu[i]), q_lens[i], seq_lens[i], table_np[i], block_size, start)
+    row_keys = [_row_keys(int(query_start_loc_cpu[i]), q_lens[i], seq_lens[i], table_np[i], block_size, start[i])
                 for i in sorted(in_place)] if table_np is not None and in_place else None
-    groups = [_group([(i, 0, q_lens[i]) for i in short], positions, query_start_loc_cpu, seq_lens_cpu, block_table,
-                     block_size, key_bound, start)] if short else []
+    # the rows behind the shared prefix and the others are padded apart: their keys start at different positions
+    parts = [[i for i in short if i in members], [i for i in short if i not in members]]
+    groups = [_group([(i, 0, q_lens[i]) for i in part], positions, query_start_loc_cpu, seq_lens_cpu, block_table,
+                     block_size, key_bound, start[part[0]]) for part in parts if part]
     long_ids = [i for i, n in enumerate(q_lens) if n > SHORT_ROW_TOKENS]
+    long_prefix, long_members = _shared_prefix(long_ids, q_lens, seq_lens, query_start_loc_cpu, table_np, block_size,
+                                               positions, subset=True)
     long_rows = _long_rows(long_ids, query_start_loc_cpu, q_lens, seq_lens, block_table, table_np, block_size,
-                           positions.device)
-    long_prefix = _shared_prefix(long_ids, q_lens, seq_lens, query_start_loc_cpu, table_np, block_size,
-                                 positions) if len(long_rows) >= 2 else None
+                           positions.device, long_members)
     return AttentionMetadata(
         positions=positions, query_start_loc_cpu=query_start_loc_cpu, seq_lens_cpu=seq_lens_cpu,
         block_table=block_table, block_size=block_size, groups=groups, write_rows=write_rows,
@@ -171,36 +177,48 @@ def build_attention_metadata(positions: torch.Tensor, query_start_loc_cpu: torch
         long_prefix=long_prefix)
 
 
-def _shared_prefix(short: list[int], q_lens: list[int], seq_lens: list[int], qsl: torch.Tensor,
-                   table: np.ndarray | None, block_size: int, positions: torch.Tensor) -> SharedPrefix | None:
-    """The whole blocks that every short row's table starts with and every one of its queries sees (they end
-    before the row's first query), when there are >= 2 such rows and >= CASCADE_MIN_KEYS shared keys; on the CPU
-    only (the host block table is at hand there)."""
-    if table is None or len(short) < 2:
-        return None
+def _shared_prefix(rows: list[int], q_lens: list[int], seq_lens: list[int], qsl: torch.Tensor,
+                   table: np.ndarray | None, block_size: int, positions: torch.Tensor,
+                   subset: bool) -> tuple[SharedPrefix | None, set[int]]:
+    """The whole blocks that the tables of >= 2 of `rows` start with and every one of their queries sees (they end
+    before each row's first query), when >= CASCADE_MIN_KEYS keys: -> (the prefix, the rows behind it). `subset`:
+    the largest set of rows that start with the same block (a request with another prefix does not turn cascade
+    off for the rest), else all rows or none. CPU only (the host block table is at hand there)."""
+    if table is None or len(rows) < 2:
+        return None, set()
     # blocks wholly before each row's first query: those keys are unmasked for all of its queries
-    limit = min((seq_lens[i] - q_lens[i]) // block_size for i in short)
-    if limit * block_size < CASCADE_MIN_KEYS:
-        return None
-    rows = table[short, :limit]  # [R, limit]
-    differs = np.flatnonzero((rows != rows[0]).any(axis=0))
+    whole = {i: (seq_lens[i] - q_lens[i]) // block_size for i in rows}
+    candidates = [i for i in rows if whole[i] * block_size >= CASCADE_MIN_KEYS]
+    if subset:
+        by_first: dict[int, list[int]] = {}
+        for i in candidates:
+            by_first.setdefault(int(table[i, 0]), []).append(i)
+        members = max(by_first.values(), key=len, default=[])
+    else:
+        members = candidates if len(candidates) == len(rows) else []
+    if len(members) < 2:
+        return None, set()
+    limit = min(whole[i] for i in members)
+    tables = table[members, :limit]  # [R, limit]
+    differs = np.flatnonzero((tables != tables[0]).any(axis=0))
     num_blocks = int(differs[0]) if differs.size else limit
     num_keys = num_blocks * block_size
     if num_keys < CASCADE_MIN_KEYS:
-        return None
-    blocks = rows[0, :num_blocks].astype(np.int64)
+        return None, set()
+    blocks = tables[0, :num_blocks].astype(np.int64)
     slots = (blocks[:, None] * block_size + np.arange(block_size)).reshape(-1)
     contiguous = bool((np.diff(blocks) == 1).all())
     token_idx = None
-    if len(short) < len(q_lens):  # beside long rows: name the short rows' tokens
-        token_idx = torch.from_numpy(np.concatenate([np.arange(int(qsl[i]), int(qsl[i]) + q_lens[i]) for i in short]))
-        token_idx = token_idx.to(positions.device)
+    if len(members) < len(q_lens):  # beside other rows: name the member rows' tokens
+        token_idx = torch.from_numpy(np.concatenate([np.arange(int(qsl[i]), int(qsl[i]) + q_lens[i])
+                                                     for i in members])).to(positions.device)
     return SharedPrefix(num_keys, torch.from_numpy(slots).to(positions.device),
-                        int(slots[0]) if contiguous else None, token_idx)
+                        int(slots[0]) if contiguous else None, token_idx), set(members)
 
 
 def _long_rows(rows: list[int], qsl: torch.Tensor, q_lens: list[int], seq_lens: list[int], block_table: torch.Tensor,
-               table_np: np.ndarray | None, block_size: int, device: torch.device) -> list[LongRow]:
+               table_np: np.ndarray | None, block_size: int, device: torch.device,
+               prefix_members: set[int] | frozenset[int] = frozenset()) -> list[LongRow]:
     """Long rows grouped by shared keys: a row joins a group when their block tables agree over the shorter
     one's blocks (the same request's pieces; requests sharing only a cached prefix still diverge later)."""
     if not rows:
@@ -219,7 +237,7 @@ def _long_rows(rows: list[int], qsl: torch.Tensor, q_lens: list[int], seq_lens: 
                 break
         else:
             groups.append((i, [piece]))
-    return [LongRow(tuple(pieces), _row_slots(table, rep, seq_lens[rep], block_size, device))
+    return [LongRow(tuple(pieces), _row_slots(table, rep, seq_lens[rep], block_size, device), rep in prefix_members)
             for rep, pieces in groups]
 
 

@@ -72,7 +72,7 @@ class PagedMLABackend(AttentionBackend):
         shared, num_shared = None, 0
         for lr in meta.long_rows:
             expanded = prefers_expanded(lr.num_queries, lr.seq_len, up, q_pe.shape[-1])
-            if expanded and meta.long_prefix is not None:  # the rows' common prefix is expanded once a layer
+            if expanded and lr.shares_prefix and meta.long_prefix is not None:  # expanded once a layer, not a row
                 if shared is None:
                     prefix = meta.long_prefix
                     lat = (cache_flat[prefix.first_slot: prefix.first_slot + prefix.num_keys]

@@ -117,6 +117,12 @@ class SharedPrefix:
     first_slot: int | None  # the slots are first_slot .. first_slot + num_keys - 1 (read as one view), or None
     token_idx: torch.Tensor | None  # [T_members] int64 the member rows' query tokens, or None: every token of the step
 
+    def keys(self, flat: torch.Tensor) -> torch.Tensor:
+        """flat [num_slots, ...] -> the prefix's [num_keys, ...]: a view of the cache, or gathered once."""
+        if self.first_slot is not None:
+            return flat[self.first_slot: self.first_slot + self.num_keys]
+        return flat.index_select(0, self.slots)
+
 
 @dataclass
 class AttentionMetadata:
@@ -130,7 +136,7 @@ class AttentionMetadata:
     write_slots: torch.Tensor  # [num_writes] int64 their cache slots (PAD_SLOT_ID rows are left out)
     long_rows: list[LongRow] = dataclasses.field(default_factory=list)
     row_keys: list[RowKeys] | None = None  # the short rows read in place (CPU), or None: `groups` gathers them
-    shared_prefix: SharedPrefix | None = None  # keys every short row shares, attended once for all of them
+    shared_prefix: SharedPrefix | None = None  # keys >= 2 short rows share, attended once for all of them
     # keys that >= 2 long rows (prompt chunks; LongRow.shares_prefix) share: MLA expands their latents once a layer,
     # not once a row (its token_idx is unused)
     long_prefix: SharedPrefix | None = None
@@ -167,7 +173,7 @@ def build_attention_metadata(positions: torch.Tensor, query_start_loc_cpu: torch
                      block_size, key_bound, start[part[0]]) for part in parts if part]
     long_ids = [i for i, n in enumerate(q_lens) if n > SHORT_ROW_TOKENS]
     long_prefix, long_members = _shared_prefix(long_ids, q_lens, seq_lens, query_start_loc_cpu, table_np, block_size,
-                                               positions, subset=True)
+                                               positions, subset=True, name_tokens=False)
     long_rows = _long_rows(long_ids, query_start_loc_cpu, q_lens, seq_lens, block_table, table_np, block_size,
                            positions.device, long_members)
     return AttentionMetadata(
@@ -179,7 +185,7 @@ def build_attention_metadata(positions: torch.Tensor, query_start_loc_cpu: torch
 
 def _shared_prefix(rows: list[int], q_lens: list[int], seq_lens: list[int], qsl: torch.Tensor,
                    table: np.ndarray | None, block_size: int, positions: torch.Tensor,
-                   subset: bool) -> tuple[SharedPrefix | None, set[int]]:
+                   subset: bool, name_tokens: bool = True) -> tuple[SharedPrefix | None, set[int]]:
     """The whole blocks that the tables of >= 2 of `rows` start with and every one of their queries sees (they end
     before each row's first query), when >= CASCADE_MIN_KEYS keys: -> (the prefix, the rows behind it). `subset`:
     the largest set of rows that start with the same block (a request with another prefix does not turn cascade
@@ -205,15 +211,14 @@ def _shared_prefix(rows: list[int], q_lens: list[int], seq_lens: list[int], qsl:
     num_keys = num_blocks * block_size
     if num_keys < CASCADE_MIN_KEYS:
         return None, set()
-    blocks = tables[0, :num_blocks].astype(np.int64)
-    slots = (blocks[:, None] * block_size + np.arange(block_size)).reshape(-1)
-    contiguous = bool((np.diff(blocks) == 1).all())
+    contiguous = bool((np.diff(tables[0, :num_blocks].astype(np.int64)) == 1).all())
     token_idx = None
-    if len(members) < len(q_lens):  # beside other rows: name the member rows' tokens
+    if name_tokens and len(members) < len(q_lens):  # beside other rows: name the member rows' tokens
         token_idx = torch.from_numpy(np.concatenate([np.arange(int(qsl[i]), int(qsl[i]) + q_lens[i])
                                                      for i in members])).to(positions.device)
-    return SharedPrefix(num_keys, torch.from_numpy(slots).to(positions.device),
-                        int(slots[0]) if contiguous else None, token_idx), set(members)
+    first_slot = int(tables[0, 0]) * block_size if contiguous else None
+    return SharedPrefix(num_keys, _row_slots(table, members[0], num_keys, block_size, positions.device), first_slot,
+                        token_idx), set(members)
 
 
 def _long_rows(rows: list[int], qsl: torch.Tensor, q_lens: list[int], seq_lens: list[int], block_table: torch.Tensor,

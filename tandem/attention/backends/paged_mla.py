@@ -74,10 +74,8 @@ class PagedMLABackend(AttentionBackend):
             expanded = prefers_expanded(lr.num_queries, lr.seq_len, up, q_pe.shape[-1])
             if expanded and lr.shares_prefix and meta.long_prefix is not None:  # expanded once a layer, not a row
                 if shared is None:
-                    prefix = meta.long_prefix
-                    lat = (cache_flat[prefix.first_slot: prefix.first_slot + prefix.num_keys]
-                           if prefix.first_slot is not None else cache_flat.index_select(0, prefix.slots))
-                    shared, num_shared = expand_latents(lat.to(q_nope.dtype), up), prefix.num_keys
+                    lat = meta.long_prefix.keys(cache_flat).to(q_nope.dtype)  # [P, L + R]
+                    shared, num_shared = expand_latents(lat, up), meta.long_prefix.num_keys
                 latent = gather_rows(cache_flat, lr.kv_slots[num_shared:]).to(q_nope.dtype)  # [S - P, L + R]
                 long_row_attention(q_nope, q_pe, latent, lr.pieces, scale, up, True, out, shared)
                 continue

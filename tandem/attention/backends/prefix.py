@@ -88,20 +88,13 @@ def _merge_shared_prefix(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, 
     [T, Hq, Dv] over the shared prefix too. The prefix's keys are one view of the cache when its blocks are
     consecutive, else gathered once; the r query heads of a KV head are folded into the query axis, so one flash
     call sees every query of the step (MLA: the values are the keys, whose first dv channels are kv_c)."""
-    t, hq, _ = q.shape
-    if shared.first_slot is not None:
-        keys = k_flat[shared.first_slot: shared.first_slot + shared.num_keys]  # [P, Hkv, Dk]
-        values = keys if v_flat is None else v_flat[shared.first_slot: shared.first_slot + shared.num_keys]
-    else:
-        keys = k_flat.index_select(0, shared.slots)
-        values = keys if v_flat is None else v_flat.index_select(0, shared.slots)
-    hkv = keys.shape[1]
-    r = hq // hkv
-    qf = q.view(t, hkv, r, -1).permute(1, 2, 0, 3).reshape(hkv, r * t, -1)  # [Hkv, r * T, Dk]
-    o_pre, lse_pre = attention_with_lse(qf[None], keys.to(q.dtype).transpose(0, 1)[None],
+    t = q.shape[0]
+    keys = shared.keys(k_flat)  # [P, Hkv, Dk]
+    values = keys if v_flat is None else shared.keys(v_flat)
+    o_pre, lse_pre = attention_with_lse(fold_heads(q, keys.shape[1])[None], keys.to(q.dtype).transpose(0, 1)[None],
                                         values.to(q.dtype).transpose(0, 1)[None], scale, causal=False)
-    o_pre = o_pre[0, ..., :dv].view(hkv, r, t, dv).permute(2, 0, 1, 3).reshape(t, hq, dv)  # [T, Hq, Dv]
-    lse_pre = lse_pre[0].view(hkv, r, t).permute(2, 0, 1).reshape(t, hq)  # [T, Hq]
+    o_pre = unfold_heads(o_pre[0, ..., :dv], t)  # [T, Hq, Dv]
+    lse_pre = unfold_heads(lse_pre[0, ..., None], t)[..., 0]  # [T, Hq]
     merged, _ = merge_attn_states(out, lse, o_pre, lse_pre)
     return merged
 
@@ -114,7 +107,7 @@ def in_place_row_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.
     n, hq, _ = q.shape
     hkv = k_flat.shape[1]
     r = hq // hkv
-    qf = q.view(n, hkv, r, -1).permute(1, 2, 0, 3).reshape(hkv, r * n, -1)  # [Hkv, r * n, Dk]
+    qf = fold_heads(q, hkv)  # [Hkv, r * n, Dk]
     tail_k = k_flat.index_select(0, row.tail_slots)
     keys = [k_flat[a: a + m] for a, m in row.runs] + [tail_k]  # each [s, Hkv, Dk]
     if v_flat is None:
@@ -138,8 +131,7 @@ def in_place_row_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.
             part, v.to(q.dtype).transpose(0, 1))
         off += v.shape[0]
     assert out is not None
-    out = out.view(hkv, r, n, -1).permute(2, 0, 1, 3).reshape(n, hq, -1)
-    return out, None if lse is None else lse.view(hkv, r, n).permute(2, 0, 1).reshape(n, hq)
+    return unfold_heads(out, n), None if lse is None else unfold_heads(lse[..., None], n)[..., 0]
 
 
 def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
@@ -153,7 +145,7 @@ def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     G, Q, hq, _ = q.shape
     hkv = k.shape[2]
     r = hq // hkv
-    qf = q.view(G, Q, hkv, r, -1).permute(0, 2, 3, 1, 4).reshape(G, hkv, r * Q, -1)
+    qf = fold_heads(q, hkv)  # [G, Hkv, r * Q, Dk]
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # [G, Hkv, S, D*]
     if r * Q <= SMALL_QUERY_ROWS:
         # Decodes and verification rows: two batched matmuls beat CPU SDPA's kernel ~5x at a few query rows
@@ -165,7 +157,7 @@ def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     else:
         mask = mask.repeat(1, 1, r, 1) if r > 1 else mask
         out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale)
-    return out.view(G, hkv, r, Q, -1).permute(0, 3, 1, 2, 4).reshape(G, Q, hq, -1)
+    return unfold_heads(out, Q)
 
 
 def grouped_sdpa_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -175,14 +167,24 @@ def grouped_sdpa_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     G, Q, hq, _ = q.shape
     hkv = k.shape[2]
     r = hq // hkv
-    qf = q.view(G, Q, hkv, r, -1).permute(0, 2, 3, 1, 4).reshape(G, hkv, r * Q, -1)
+    qf = fold_heads(q, hkv)  # [G, Hkv, r * Q, Dk]
     scores = torch.matmul(qf, k.permute(0, 2, 3, 1)).float().mul_(scale)  # [G, Hkv, r * Q, S]
     if blocked is not None:
         scores.view(G, hkv, r, Q, -1).masked_fill_(blocked.unsqueeze(2), float("-inf"))
     lse = scores.logsumexp(-1)  # [G, Hkv, r * Q]
     out = torch.matmul((scores - lse[..., None]).exp().to(v.dtype), v.transpose(1, 2))
-    out = out.view(G, hkv, r, Q, -1).permute(0, 3, 1, 2, 4).reshape(G, Q, hq, -1)
-    return out, lse.view(G, hkv, r, Q).permute(0, 3, 1, 2).reshape(G, Q, hq)
+    return unfold_heads(out, Q), unfold_heads(lse[..., None], Q)[..., 0]
+
+
+def fold_heads(q: torch.Tensor, hkv: int) -> torch.Tensor:
+    """[..., n, Hq, D] -> [..., Hkv, r * n, D]: the r = Hq / Hkv query heads of a KV head (head h = kv * r + j)
+    folded into the query axis, so one matmul per KV head serves them all."""
+    return q.unflatten(-2, (hkv, -1)).movedim(-4, -2).flatten(-3, -2)
+
+
+def unfold_heads(x: torch.Tensor, n: int) -> torch.Tensor:
+    """fold_heads's inverse on outputs: [..., Hkv, r * n, D] -> [..., n, Hq, D]."""
+    return x.unflatten(-2, (-1, n)).movedim(-2, -4).flatten(-3, -2)
 
 
 SMALL_QUERY_ROWS = 64

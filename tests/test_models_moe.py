@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -228,16 +227,10 @@ def test_missing_expert_and_unexpected_mtp_tensors_are_named(tmp_path: Path) -> 
         build_model(ModelConfig.from_path(str(tmp_path), dtype="float32"), SINGLE_RANK)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_logits(folder: Path, layout: str, rank: int, port: int, ids: torch.Tensor, results: Any) -> None:
+def _rank_logits(folder: Path, layout: str, rank: int, store: Path, ids: torch.Tensor, results: Any) -> None:
     """One rank of a 2-rank gloo world: the model under `layout` ("tp" or "ep"), prefill + decode logits."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))
     try:
         group = Group(rank, 2, dist.group.WORLD)
@@ -261,8 +254,9 @@ def test_two_rank_tensor_and_expert_parallel_match_transformers(case: str, layou
     with torch.no_grad():
         ref = hf(ids[None]).logits[0]  # [10, V]
     ctx = mp.get_context("fork")
-    results, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_rank_logits, args=(tmp_path, layout, rank, port, ids, results))
+    # a file store: a port picked free and released can be taken before rank 0 binds it
+    results, store = ctx.Queue(), tmp_path / "rendezvous"
+    procs = [ctx.Process(target=_rank_logits, args=(tmp_path, layout, rank, store, ids, results))
              for rank in range(2)]
     for p in procs:
         p.start()

@@ -16,7 +16,6 @@ import torch
 from engine_utils import random_prompts
 
 from tandem import LLM, SamplingParams
-from tandem.distributed.init import free_loopback_port
 from tandem.executor.multiproc import EngineDeadError
 
 LAYOUTS = {
@@ -100,7 +99,7 @@ def test_torchrun_launch_matches_single_rank(tiny_checkpoints, tmp_path):
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("PYTEST_XDIST_WORKER", None)
-    subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_loopback_port()),
+    subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2",
                     str(Path(__file__).with_name("torchrun_generate.py")), path, str(tmp_path / "prompts.json"),
                     str(tmp_path / "out.json")], check=True, timeout=180, env=env, capture_output=True)
     got = json.loads((tmp_path / "out.json").read_text())

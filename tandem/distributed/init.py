@@ -7,7 +7,6 @@ Example, TP=2, PCP=2: TP groups {0, 1} and {2, 3}; PCP groups {0, 2} and {1, 3};
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -19,12 +18,6 @@ from tandem.distributed.groups import SINGLE, Group, ParallelGroups
 def collective_timeout_s() -> float:
     """How long a collective may wait for a peer before the engine declares the rank dead."""
     return float(os.environ.get("TANDEM_COLLECTIVE_TIMEOUT_S", "30"))
-
-
-def free_loopback_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def step_timeout_s() -> float:

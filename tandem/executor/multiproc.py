@@ -8,6 +8,10 @@ raises, dies or hangs ends the engine with EngineDeadError naming it, and every 
 defence against a hung (e.g. SIGSTOPped) rank: its peers' collectives time out and report, and rank 0's answer
 to a step has a deadline (TANDEM_STEP_TIMEOUT_S, twice the collective timeout by default). The error is short
 (it reaches HTTP clients); the ranks' tracebacks go to the log.
+
+Rendezvous: the spawned ranks meet through a file store in a private temporary directory, not a TCP port. A port
+picked free and released before rank 0 binds it can be taken in between (by another engine, or by any outgoing
+connection drawing from the same ephemeral range), and the engine then fails to start with EADDRINUSE.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import os
+import shutil
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -30,7 +36,6 @@ from tandem.config import EngineConfig
 from tandem.distributed.init import (
     build_groups,
     collective_timeout_s,
-    free_loopback_port,
     init_distributed,
     rank_device,
     step_timeout_s,
@@ -88,7 +93,8 @@ def _worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connec
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig):
         world = config.parallel_config.world_size
-        init_method = f"tcp://127.0.0.1:{free_loopback_port()}"
+        self._rendezvous_dir = tempfile.mkdtemp(prefix="tandem-rendezvous-")
+        init_method = f"file://{os.path.join(self._rendezvous_dir, 'store')}"
         threads = max(1, torch.get_num_threads() // world) if config.device == "cpu" else 1
         ctx = mp.get_context("spawn")
         self.procs: list[Any] = []
@@ -187,6 +193,7 @@ class MultiprocExecutor:
                 proc.kill()
                 proc.join(5)
         self.procs, self.conns = [], []
+        shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
 
 
 def _last_line(text: str) -> str:

@@ -414,15 +414,29 @@ def test_auto_greedy_equals_no_speculation(tiny_checkpoints, tmp_path, monkeypat
         assert got == want, f"{arch} PCP={pcp} {method} {mode}: prompt {i} differs from no speculation"
 
 
-def test_drafts_after_k0_steps_equal_plain_recomputation(tiny_checkpoints, monkeypatch):
+@pytest.mark.parametrize("backend", [None, "CONTIGUOUS_MLA"])  # PAGED_MLA (the sharded mode) and replicated
+def test_drafts_after_k0_steps_equal_plain_recomputation(tiny_checkpoints, monkeypatch, backend):
     """Greedy output cannot tell a stale drafter (it only lowers acceptance), so this checks the drafts: after steps
-    at K = 0 (MTP step 0 still run), every first draft equals MTP recomputed from scratch for its context."""
+    at K = 0 (MTP step 0 deferred, then run over the deferred tokens with the next step's), every first draft equals
+    MTP recomputed from scratch for its context."""
     from test_spec_decode import _mtp_reference
+
+    from tandem.spec_decode.mtp_catch_up import DeferredStep0
 
     policies: list[_Restless] = []
     monkeypatch.setattr("tandem.engine.llm_engine.SpecPolicy", lambda k: policies.append(_Restless(k)) or policies[-1])
+    caught_up: list[int] = []  # deferred tokens taken by each catch-up
+    extend = DeferredStep0.extend
+
+    def counted(self, *args):
+        ext = extend(self, *args)
+        caught_up.append(0 if ext is None else int(ext.offsets[-1]))
+        return ext
+
+    monkeypatch.setattr(DeferredStep0, "extend", counted)
     path = tiny_checkpoints("deepseek_v3", num_mtp_layers=1)
-    llm = LLM(str(path), **ENGINE, speculative_config={"method": "mtp", **AUTO})
+    spec = {"method": "mtp", **AUTO} | ({"attention_backend": backend} if backend else {})
+    llm = LLM(str(path), **ENGINE, speculative_config=spec)
     steps = record_steps(llm, monkeypatch)
     prompts = _engine_prompts()[:4]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], ENGINE_GREEDY, use_tqdm=False)
@@ -442,6 +456,7 @@ def test_drafts_after_k0_steps_equal_plain_recomputation(tiny_checkpoints, monke
             checked_after_zero += previous_k == 0
         previous_k = plan.num_spec_tokens
     assert checked_after_zero >= 3, f"only {checked_after_zero} drafts right after a K = 0 step were checked"
+    assert sum(n > 0 for n in caught_up) >= 2, f"step 0 never caught up deferred tokens: {caught_up}"
 
 
 def test_policy_metrics_reach_prometheus():

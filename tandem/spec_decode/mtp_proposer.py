@@ -28,9 +28,10 @@ from tandem.attention.sharded_kv import ShardedAttentionMetadata
 from tandem.engine.step_plan import StepPlan
 from tandem.models.mtp import DeepSeekMTP
 from tandem.spec_decode.draft_sampling import pack_drafts, sample_draft
+from tandem.spec_decode.mtp_catch_up import DeferredStep0
 from tandem.spec_decode.proposer import Proposal, TargetStep
 from tandem.worker.input_batch import InputBatch, global_attention_metadata
-from tandem.worker.pcp_hooks import ShardedKVPCPHooks
+from tandem.worker.pcp_hooks import PartitionedPCPHooks, ShardedKVPCPHooks
 
 
 class MTPProposer:
@@ -45,6 +46,7 @@ class MTPProposer:
         self.max_model_len, self.probabilistic, self.sharded = max_model_len, probabilistic, sharded
         self.target_backends = target_backends
         self.padded_size = padded_size  # PIECEWISE: draft decodes of S rows run at this many tokens
+        self.deferred = DeferredStep0(block_size)  # decode tokens of K = 0 steps, step 0 not yet run
 
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         return 0  # the MTP layers' attention modules are part of the target model, sized with it
@@ -53,7 +55,7 @@ class MTPProposer:
         pass  # allocated with the target's layers
 
     def free(self, request_ids: list[str]) -> None:
-        pass
+        self.deferred.free(request_ids)
 
     def observe(self, step: TargetStep) -> None:
         if not self.sharded:
@@ -62,14 +64,26 @@ class MTPProposer:
     @torch.inference_mode()
     def propose(self, step: TargetStep, emitted: list[list[int]], k: int) -> Proposal:
         """K drafts per sampling row, and for probabilistic drafting each row's draft distributions [K, V].
-        Step 0 runs on every step, sampling or not, so the MTP layer's own KV covers the whole context."""
+        Step 0 keeps the MTP layer's own KV covering the whole context: it runs on every step, sampling or not,
+        except a decode step proposing nothing (K = 0), whose tokens it takes at the next step that drafts
+        (mtp_catch_up.py; the sharded mode at PCP > 1 runs it every step)."""
         plan, batch = step.plan, step.batch
         # The draft decodes' key bound comes from THIS step's global batch, before any draft metadata is built
         # (the seed PR's review finding: a bound kept from the previous proposal misses a request that just
         # accepted all K drafts plus its bonus token).
         max_seq_len = draft_max_seq_len(batch, k, self.max_model_len)
         shifted, last_idx = self._shifted_ids(plan, batch, emitted)  # global: a next token may be remote
-        if self.sharded:
+        defers = not self.sharded or not isinstance(step.pcp, PartitionedPCPHooks)  # step 0 on the global batch
+        if defers and k == 0 and last_idx and self.deferred.can_defer(plan, batch, last_idx):
+            self.deferred.defer(plan, batch, shifted, step.global_hidden(), last_idx)
+            return Proposal([[] for _ in last_idx])
+        extension = self.deferred.extend(plan, batch, shifted, step.global_hidden()) if defers else None
+        sample_idx = last_idx  # each sampling row's last valid token among step 0's outputs
+        if extension is not None:  # the deferred tokens ride along, each row now a longer causal run
+            with forward_context(extension.attn_metadata, self.backends):
+                h_logits, h_feedback = self.mtp(extension.input_ids, extension.positions, extension.hidden, 0)
+            sample_idx = [extension.sample_index(i, idx) for i, idx in zip(batch.sample_rows, last_idx, strict=True)]
+        elif self.sharded:
             h_logits, h_feedback = self._sharded_step0(shifted, step)  # [T_r, H] each
         else:
             meta = global_attention_metadata(batch, self.block_size)
@@ -77,11 +91,11 @@ class MTPProposer:
                 h_logits, h_feedback = self.mtp(shifted, batch.positions, step.global_hidden(), 0)  # [T, H] each
         if k == 0 or not last_idx:
             return Proposal([[] for _ in last_idx])  # step 0 only kept the MTP layer's KV up to date
-        if self.sharded:  # only the S rows that draft cross ranks
+        if self.sharded and extension is None:  # only the S rows that draft cross ranks
             h_logits = step.pcp.maybe_restore_rows(h_logits, last_idx)
             feedback = step.pcp.maybe_restore_rows(h_feedback, last_idx)
         else:
-            h_logits, feedback = h_logits[last_idx], h_feedback[last_idx]  # [S, H] each
+            h_logits, feedback = h_logits[sample_idx], h_feedback[sample_idx]  # [S, H] each
         positions = batch.positions[last_idx]  # [S] position of each row's last valid token
         tokens, probs = sample_draft(self.mtp.compute_logits(h_logits, 0), batch.sampling, positions + 2,
                                      self.probabilistic)

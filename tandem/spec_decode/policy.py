@@ -4,7 +4,8 @@ For a candidate K, the next step verifies each running request's drafts and prop
     emitted(K) = sum_r 1 + sum_{j<=K} prod_{i<=j} fill_ri accept_ri        (acceptance.py, per request)
     seconds(K) = target(shape(K)) + draft(shape(K), K)                      (cost_model.py, fitted online)
 where shape(K) holds the running requests' rows with 1 + E[drafts] tokens each at their contexts. K = 0 still
-runs what a drafter must do to keep its own KV current (MTP step 0, DSpark's context); the draft model prices it.
+runs what a drafter must do to keep its own KV current (DSpark's context); MTP defers its step 0 of a decode step
+at K = 0 to the next step that drafts (mtp_catch_up.py). The draft model prices what each K measured.
 
 Acceptance is observed only while drafting, so after `explore_after` steps at K = 0 the policy drafts at K = 1
 for two steps (one proposes, the next verifies) to refresh it; each exploration that does not switch drafting back

@@ -1,0 +1,154 @@
+"""Deferred MTP step 0: decode steps that propose no drafts (the "auto" policy chose K = 0) skip the MTP layer and
+keep what its step 0 would have read; the next step that runs step 0 runs it over the deferred tokens too.
+
+Step 0 keeps the MTP layer's own KV current; at K = 0 its output is not sampled, so it only has to run before the
+next draft reads that KV. A deferred token is (position, shifted id, target hidden state), the three inputs step 0
+pairs per token. At catch-up each row's deferred tokens are prepended to the row: they sit right before its first
+token, so the row becomes one causal query run over consecutive positions, its keys written as it goes.
+
+Example, one request: K = 0 at positions 40 and 41 (deferred), the policy drafts again at the step of position 42.
+Step 0 of that step runs the row [40 41 42] (ids [x41 x42 x43], hidden [h40 h41 h42]) instead of [42]; its
+sampling index moves from 0 to 2 (`RowExtension.sample_index`).
+
+Only acceptance could ever depend on this (verification is lossless whatever the MTP KV holds), and the KV comes
+out the same as if step 0 had run every step (tests/test_mtp_catch_up.py). Deferring is limited to
+`MAX_DEFERRED_TOKENS` a request, beyond which the step runs step 0 (catching up) as usual. A block of deferred
+tokens that the prefix cache hands to another request before they are caught up carries no MTP KV for them:
+that request's drafts read a hole there and are accepted less often, never wrongly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from tandem.attention.metadata import AttentionMetadata
+from tandem.engine.step_plan import StepPlan
+from tandem.worker.input_batch import InputBatch, global_attention_metadata
+
+MAX_DEFERRED_TOKENS = 256  # a request's deferred hidden states, each [H]: bounded memory, a bounded catch-up
+
+
+@dataclass
+class DeferredTokens:
+    """One request's tokens whose MTP step 0 has not run: consecutive positions from `start`."""
+
+    start: int
+    ids: list[torch.Tensor] = field(default_factory=list)  # pieces of [n] int64
+    hidden: list[torch.Tensor] = field(default_factory=list)  # pieces of [n, H]
+    num_tokens: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    def append(self, ids: torch.Tensor, hidden: torch.Tensor) -> None:
+        self.ids.append(ids.clone())
+        self.hidden.append(hidden.clone())  # the target's output buffer may be reused by the next step
+        self.num_tokens += ids.shape[0]
+
+    def before(self, position: int) -> DeferredTokens | None:
+        """The deferred tokens a row starting at `position` extends back over: those right before it. A row that
+        recomputes them (a preempted request's prompt) or starts after a gap takes none; the gap's KV is a hole."""
+        if self.start >= position or self.end < position:
+            return None
+        keep = position - self.start
+        if keep == self.num_tokens:
+            return self
+        ids, hidden = torch.cat(self.ids)[:keep], torch.cat(self.hidden)[:keep]
+        return DeferredTokens(self.start, [ids], [hidden], keep)
+
+
+@dataclass
+class RowExtension:
+    """Step 0's batch with the deferred tokens prepended to their rows."""
+
+    input_ids: torch.Tensor  # [T + D] int64 shifted ids
+    positions: torch.Tensor  # [T + D] int64
+    hidden: torch.Tensor  # [T + D, H] target hidden states
+    attn_metadata: AttentionMetadata
+    offsets: np.ndarray  # [R] deferred tokens prepended at or before row i (a token of row i moves by offsets[i])
+
+    def sample_index(self, row: int, index: int) -> int:
+        """Where token `index` of the original batch, in batch row `row`, sits in the extended batch."""
+        return index + int(self.offsets[row])
+
+
+class DeferredStep0:
+    """Per-request deferred tokens: `defer` at K = 0, `extend` when step 0 runs again."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.deferred: dict[str, DeferredTokens] = {}
+
+    def can_defer(self, plan: StepPlan, batch: InputBatch, last_idx: list[int]) -> bool:
+        """A pure decode step (every row samples, none is a prompt chunk) whose rows all stay under the bound."""
+        if bool(batch.is_prefill_cpu.any()) or len(batch.sample_rows) != len(plan.rows):
+            return False
+        qsl = batch.query_start_loc_np
+        for s, i in enumerate(batch.sample_rows):
+            earlier = self.deferred.get(plan.rows[i].request_id)
+            if (earlier.num_tokens if earlier else 0) + last_idx[s] - int(qsl[i]) + 1 > MAX_DEFERRED_TOKENS:
+                return False
+        return True
+
+    def defer(self, plan: StepPlan, batch: InputBatch, shifted: torch.Tensor, hidden: torch.Tensor,
+              last_idx: list[int]) -> None:
+        """Keep each row's valid tokens (up to its last accepted one; rejected drafts' slots are rewritten later)."""
+        qsl, positions = batch.query_start_loc_np, batch.positions.cpu()
+        for s, i in enumerate(batch.sample_rows):
+            rid, first = plan.rows[i].request_id, int(qsl[i])
+            pos = int(positions[first])
+            entry = self.deferred.get(rid)
+            if entry is None or entry.end != pos:  # nothing deferred yet, or a restart: begin at this row
+                entry = self.deferred[rid] = DeferredTokens(pos)
+            entry.append(shifted[first: last_idx[s] + 1], hidden[first: last_idx[s] + 1])
+
+    def free(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.deferred.pop(rid, None)
+
+    def extend(self, plan: StepPlan, batch: InputBatch, shifted: torch.Tensor,
+               hidden: torch.Tensor) -> RowExtension | None:
+        """Step 0's inputs with every row's deferred tokens prepended (and forgotten), or None when none are."""
+        if not self.deferred:
+            return None
+        qsl, positions = batch.query_start_loc_np, batch.positions.cpu()
+        pieces = []
+        for i, row in enumerate(plan.rows):
+            entry = self.deferred.pop(row.request_id, None)
+            pieces.append(entry.before(int(positions[qsl[i]])) if entry is not None else None)
+        if all(p is None for p in pieces):
+            return None
+        ids, pos, states, slots, counts = [], [], [], [], np.zeros(len(plan.rows), dtype=np.int64)
+        device = batch.input_ids.device
+        for i, piece in enumerate(pieces):
+            a, b = int(qsl[i]), int(qsl[i + 1])
+            if piece is not None:
+                p = torch.arange(piece.start, piece.end, device=device)
+                ids += piece.ids
+                pos.append(p)
+                states += piece.hidden
+                slots.append(batch.block_table[i].long()[p // self.block_size] * self.block_size
+                             + p % self.block_size)
+                counts[i] = piece.num_tokens
+            ids.append(shifted[a:b])
+            pos.append(batch.positions[a:b])
+            states.append(hidden[a:b])
+            slots.append(batch.slot_mapping[a:b])
+        real = int(qsl[-1])  # graph padding stays at the end, in no row
+        ids.append(shifted[real:])
+        pos.append(batch.positions[real:])
+        states.append(hidden[real:])
+        slots.append(batch.slot_mapping[real:])
+        offsets = np.cumsum(counts)
+        extended = InputBatch(torch.cat(ids), torch.cat(pos), (batch.query_start_loc_np
+                                                                 + np.concatenate(([0], offsets))).astype(np.int32),
+                              batch.seq_lens_cpu, batch.block_table, torch.cat(slots), batch.is_prefill_cpu,
+                              batch.sample_rows, batch.num_draft_tokens, batch.logits_indices,
+                              batch.draft_token_ids, batch.sampling, batch.num_padding)
+        return RowExtension(extended.input_ids, extended.positions, torch.cat(states),
+                            global_attention_metadata(extended, self.block_size), offsets)
+

@@ -1,0 +1,78 @@
+"""Deferred MTP step 0 (spec_decode/mtp_catch_up.py): which deferred tokens a row extends back over, where the
+extended batch puts every token, and the bound on deferring. The end-to-end check (drafts after K = 0 steps equal
+MTP recomputed from scratch, in both draft modes) is test_spec_policy.py's
+test_drafts_after_k0_steps_equal_plain_recomputation."""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.engine.step_plan import RowSampling, ScheduledRow, StepPlan
+from tandem.spec_decode.mtp_catch_up import MAX_DEFERRED_TOKENS, DeferredStep0, DeferredTokens
+from tandem.worker.input_batch import prepare_inputs
+
+BLOCK = 4
+GREEDY = RowSampling(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, num_logprobs=None)
+
+
+def _deferred(start: int, n: int, hidden: int = 3) -> DeferredTokens:
+    entry = DeferredTokens(start)
+    entry.append(torch.arange(start, start + n), torch.arange(start, start + n).float()[:, None].repeat(1, hidden))
+    return entry
+
+
+def test_a_row_takes_the_deferred_tokens_right_before_it():
+    entry = _deferred(10, 5)  # positions 10..14
+    assert entry.before(15) is entry
+    trimmed = entry.before(13)  # a resumed request whose row starts inside them: only 10..12 are still missing
+    assert trimmed is not None and trimmed.num_tokens == 3 and torch.cat(trimmed.ids).tolist() == [10, 11, 12]
+    assert entry.before(10) is None, "a row recomputing them (a preempted prompt) takes none"
+    assert entry.before(16) is None, "after a gap the tokens do not lie right before the row"
+
+
+def _decode_plan(rows: list[tuple[str, int, int]]) -> StepPlan:
+    """(request id, num_computed_tokens, drafts): decode rows [last, d1 .. dK] over enough blocks."""
+    plan_rows = []
+    for b, (rid, computed, k) in enumerate(rows):
+        blocks = [b * 16 + j for j in range(16)]
+        plan_rows.append(ScheduledRow(rid, [5] * (k + 1), computed, blocks, False, GREEDY, num_draft_tokens=k))
+    return StepPlan(plan_rows)
+
+
+def test_extended_batch_places_deferred_tokens_before_their_rows():
+    """Two decode rows, the second with 3 deferred tokens: its row becomes 4 consecutive positions, written to the
+    slots of its own blocks, and its sampling index moves by 3; the first row moves by nothing."""
+    plan = _decode_plan([("a", 20, 0), ("b", 9, 0)])
+    batch = prepare_inputs(plan, BLOCK, "cpu")
+    deferred = DeferredStep0(BLOCK)
+    deferred.deferred["b"] = _deferred(6, 3)
+    shifted = torch.tensor([101, 102])
+    hidden = torch.tensor([[1.0, 1, 1], [2.0, 2, 2]])
+    ext = deferred.extend(plan, batch, shifted, hidden)
+    assert ext is not None and not deferred.deferred, "the deferred tokens are taken once"
+    assert ext.positions.tolist() == [20, 6, 7, 8, 9]
+    assert ext.input_ids.tolist() == [101, 6, 7, 8, 102]
+    assert ext.hidden[:, 0].tolist() == [1.0, 6.0, 7.0, 8.0, 2.0]
+    assert [ext.sample_index(0, 0), ext.sample_index(1, 1)] == [0, 4]
+    block_table = batch.block_table[1].long()
+    want_slots = [int(block_table[p // BLOCK]) * BLOCK + p % BLOCK for p in (6, 7, 8, 9)]
+    meta = ext.attn_metadata
+    assert sorted(meta.write_slots.tolist()) == sorted([int(batch.slot_mapping[0])] + want_slots)
+
+
+def test_defer_keeps_only_accepted_tokens_and_stops_at_the_bound():
+    """A verification row [last, d1, d2] that accepted d1 defers 2 tokens, not 3; a request at the bound runs
+    step 0 instead of deferring further."""
+    plan = _decode_plan([("a", 30, 2)])
+    batch = prepare_inputs(plan, BLOCK, "cpu")
+    deferred = DeferredStep0(BLOCK)
+    last_idx = [1]  # last valid token: position 31
+    assert deferred.can_defer(plan, batch, last_idx)
+    deferred.defer(plan, batch, torch.tensor([7, 8, 9]), torch.zeros(3, 2), last_idx)
+    entry = deferred.deferred["a"]
+    assert (entry.start, entry.num_tokens) == (30, 2)
+    entry.num_tokens = MAX_DEFERRED_TOKENS - 1
+    assert not deferred.can_defer(plan, batch, last_idx), "two more would exceed MAX_DEFERRED_TOKENS"
+    prefill = StepPlan([ScheduledRow("p", [1, 2, 3], 0, [0], True, GREEDY)])
+    assert not DeferredStep0(BLOCK).can_defer(prefill, prepare_inputs(prefill, BLOCK, "cpu"), [2]), \
+        "a prompt chunk's step 0 is never deferred"

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.distributed.groups import SINGLE, Group
+from tandem.layers.cpu_gemm import linear
 from tandem.layers.linear import default_weight_loader
 
 
@@ -41,8 +42,12 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states to logits; the vocab shards are all-gathered so every rank sees all."""
 
+    def __init__(self, vocab_size: int, hidden_size: int, tp: Group = SINGLE):
+        super().__init__(vocab_size, hidden_size, tp)
+        self.packed_weight: torch.Tensor | None = None  # oneDNN's layout of weight, set after loading (cpu_gemm)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [num_rows, hidden_size] -> logits [num_rows, vocab_size] (float32)
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight, None, self.packed_weight)
         logits = self.tp.all_gather(logits, dim=-1)
         return logits[:, : self.vocab_size].float()

@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tandem.distributed.groups import SINGLE, Group
+from tandem.layers.cpu_gemm import linear
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -43,9 +43,10 @@ class ReplicatedLinear(nn.Module):
         super().__init__()
         self.weight = new_param((out_features, in_features))
         self.bias = new_param((out_features,)) if bias else None
+        self.packed_weight: torch.Tensor | None = None  # oneDNN's layout of weight, set after loading (cpu_gemm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -58,12 +59,13 @@ class ColumnParallelLinear(nn.Module):
         self.tp = tp
         self.weight = new_param((out_features // tp.size, in_features), self._load)
         self.bias = new_param((out_features // tp.size,), self._load) if bias else None
+        self.packed_weight: torch.Tensor | None = None  # oneDNN's layout of weight, set after loading (cpu_gemm)
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         default_weight_loader(param, shard_tensor(loaded, 0, self.tp))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -117,12 +119,13 @@ class RowParallelLinear(nn.Module):
         self.reduce_results = reduce_results
         self.weight = new_param((out_features, in_features // tp.size), self._load)
         self.bias = new_param((out_features,)) if bias else None
+        self.packed_weight: torch.Tensor | None = None  # oneDNN's layout of weight, set after loading (cpu_gemm)
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         default_weight_loader(param, shard_tensor(loaded, 1, self.tp))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight, None, self.packed_weight)
         if self.reduce_results:
             y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias

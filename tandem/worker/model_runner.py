@@ -13,6 +13,7 @@ from tandem.compilation.compile import compile_model
 from tandem.config import EngineConfig
 from tandem.distributed.groups import SINGLE_RANK, ParallelGroups
 from tandem.engine.step_plan import StepOutput, StepPlan
+from tandem.layers.cpu_gemm import prepack_linears
 from tandem.layers.sampler import sample, top_logprobs
 from tandem.models.loader import build_model
 from tandem.spec_decode.draft_mode import resolve_draft_mode
@@ -44,6 +45,8 @@ class ModelRunner:
         self.num_padding_tokens = 0  # padding tokens run so far (tests read it)
         self.warmed_up_sizes: list[int] = []
         self.proposer: Proposer = build_proposer(config, self.model, self.draft_mode, self.backends)
+        # oneDNN-packed weights on the CPU; compiled pieces get theirs from inductor's freezing
+        prepack_linears(self.model, lm_head_only=self.compilation.compiles)
         compile_model(self.model, self.compilation)
         # distributions the last proposal's drafts were sampled from, per request (probabilistic drafting)
         self.draft_probs: dict[str, torch.Tensor] = {}

@@ -1,0 +1,70 @@
+"""CPU linear layers on oneDNN-prepacked weights, packed once after loading.
+
+`F.linear` on the CPU runs sgemm on the weight as it lies in memory and re-blocks it on every call; at a decode
+step's few rows that re-blocking is most of the GEMM. oneDNN packs a weight once into its blocked layout
+(`torch.ops.mkldnn._reorder_linear_weight`, what inductor's freezing does for compiled pieces, and what vLLM's CPU
+backend does for its linears), and `_linear_pointwise` then reads it straight. Measured here (AMD EPYC, 2 cores,
+avx2, float32, one [N, K] weight): SmolLM2's MLP gate_up [3072, 576] at 8 rows 2.11 -> 0.50 ms, its LM head
+[49152, 576] at 32 rows 46.3 -> 19.0 ms; at prompt-chunk sizes (2,516 rows) the two are equal.
+
+Eager mode packs every linear weight; compiled mode (whose freezing packs the pieces it compiles) only the LM head,
+which runs outside them. The plain weight stays where it was (tied embeddings, MLA's absorbed kv_b and the compiled
+pieces read it), so the packed copy is extra memory: about the model's linear weights once more in eager mode.
+bfloat16 packs only where oneDNN has a bf16 path on this CPU (avx512bw/vl/dq or avx_ne_convert); elsewhere, and
+for other dtypes, the layer keeps F.linear.
+
+A packed call costs ~50 us of fixed dispatch, so small GEMMs stay on F.linear (benchmarks/cpu_gemm.py measures
+both over weight shapes x rows): weights under PACK_MIN_ELEMENTS are not packed (the bundled model's 256-wide
+projections lose at every row count up to 32), and a single-row call (a gemv, which F.linear does well) uses the
+packed weight only from ANY_ROWS_ELEMENTS on (SmolLM2's [3072, 576] gate_up: 225 -> 123 us at one row; its
+[960, 576] qkv: 50 -> 71 us, a loss, but 111 -> 57 us at two rows).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+DECODE_ROWS_HINT = 32  # the rows oneDNN blocks a packed weight for; any row count runs on it
+PACK_MIN_ELEMENTS = 1 << 19  # 2 MiB of float32: below it F.linear wins at decode row counts
+ANY_ROWS_ELEMENTS = 3 << 19  # from here the packed weight wins at one row too
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           packed: torch.Tensor | None) -> torch.Tensor:
+    """x: [..., K]; weight: [N, K] -> [..., N]. `packed`: the weight in oneDNN's layout (prepack), or None."""
+    if packed is None or torch.compiler.is_compiling():  # the compiler packs (freezing) what it compiles
+        return F.linear(x, weight, bias)
+    if x.numel() == x.shape[-1] and weight.numel() < ANY_ROWS_ELEMENTS:  # one row: a gemv
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def prepack(weight: torch.Tensor) -> torch.Tensor | None:
+    """weight [N, K] -> the same in oneDNN's blocked layout, or None where oneDNN cannot run it here."""
+    if weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES or weight.dim() != 2 \
+            or weight.numel() < PACK_MIN_ELEMENTS or not torch.backends.mkldnn.is_available():
+        return None
+    if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), DECODE_ROWS_HINT)
+    except RuntimeError:  # a CPU without oneDNN's path for this dtype
+        return None
+
+
+
+def prepack_linears(model: nn.Module, lm_head_only: bool) -> int:
+    """Pack the weight of every module that declares `packed_weight` (the linear layers and the LM head), or only
+    the LM head's; returns how many were packed."""
+    from tandem.layers.embedding import ParallelLMHead
+
+    count = 0
+    for module in model.modules():
+        if not hasattr(module, "packed_weight") or (lm_head_only and not isinstance(module, ParallelLMHead)):
+            continue
+        module.packed_weight = prepack(module.weight)
+        count += module.packed_weight is not None
+    return count

@@ -157,6 +157,28 @@ def test_switches_to_zero_when_drafting_stops_paying_and_recovers():
     assert k == good.best_k(1) and share >= 0.85, f"did not recover: chose {k} ({share:.0%}) after it paid again"
 
 
+@dataclass
+class DeferringWorld(World):
+    """MTP's world: the drafter's per-step pass (draft_base, its step 0) runs only at K > 0 (mtp_catch_up.py)."""
+
+    def seconds(self, num_tokens: int, k: int) -> tuple[float, float]:
+        target, draft = super().seconds(num_tokens, k)
+        return target, draft if k else 0.0
+
+
+def test_a_deferred_step0_is_priced_out_of_k0():
+    """Step 0 costs as much as a fifth of the target here, and K = 0 does not run it: K = 0 is the best K (17%
+    over K = 1), and the policy, told that step 0 is deferred, settles there."""
+    world = DeferringWorld(0.7, draft_base=0.008)
+    assert world.best_k(16) == 0 and world.rate(16, 0) >= 1.15 * world.rate(16, 1)
+    sim = Simulation(SpecPolicy(K_MAX, defers_step0=True), batch=16, seed=4)
+    sim.run(world, 100)
+    tokens, seconds = sim.tokens, sim.seconds
+    chosen = sim.run(world, 300)
+    rate = (sim.tokens - tokens) / (sim.seconds - seconds)
+    assert _mode(chosen)[0] == 0 and rate >= 0.97 * world.rate(16, 0), f"{rate:.1f} vs {world.rate(16, 0):.1f}"
+
+
 def test_resumes_at_once_when_the_batch_shrinks():
     """Costs, not acceptance, turn drafting off: at batch 64 verification tokens cost more than they save, at
     batch 1 they pay. The fitted costs know both, so drafting comes back on the first steps at batch 1."""
@@ -378,8 +400,8 @@ class _Restless(SpecPolicy):
     """The policy, exploring after 2 steps at K = 0 and overruled every third step by another K, so that on tiny
     models (where one K may win throughout) every run still switches K: up, down and to 0."""
 
-    def __init__(self, max_k: int):
-        super().__init__(max_k, explore_after=2)
+    def __init__(self, max_k: int, **kwargs):
+        super().__init__(max_k, explore_after=2, **kwargs)
         self.ks: list[int] = []
 
     def choose(self, running: list[RunningRow]) -> int:
@@ -395,7 +417,8 @@ def test_auto_greedy_equals_no_speculation(tiny_checkpoints, tmp_path, monkeypat
     """K changes between steps, drafts pending from a larger K are dropped, and K = 0 steps still keep MTP's and
     DSpark's own KV current: none of it may change a token."""
     policies: list[_Restless] = []
-    monkeypatch.setattr("tandem.engine.llm_engine.SpecPolicy", lambda k: policies.append(_Restless(k)) or policies[-1])
+    monkeypatch.setattr("tandem.engine.llm_engine.SpecPolicy",
+                        lambda k, **kw: policies.append(_Restless(k, **kw)) or policies[-1])
     path = tiny_checkpoints(arch, num_mtp_layers=1 if method == "mtp" else 0)
     spec: dict = {"method": method, **AUTO}
     if method == "mtp" and mode is not None:
@@ -424,7 +447,8 @@ def test_drafts_after_k0_steps_equal_plain_recomputation(tiny_checkpoints, monke
     from tandem.spec_decode.mtp_catch_up import DeferredStep0
 
     policies: list[_Restless] = []
-    monkeypatch.setattr("tandem.engine.llm_engine.SpecPolicy", lambda k: policies.append(_Restless(k)) or policies[-1])
+    monkeypatch.setattr("tandem.engine.llm_engine.SpecPolicy",
+                        lambda k, **kw: policies.append(_Restless(k, **kw)) or policies[-1])
     caught_up: list[int] = []  # deferred tokens taken by each catch-up
     extend = DeferredStep0.extend
 

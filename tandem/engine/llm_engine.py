@@ -53,7 +53,10 @@ class LLMEngine:
             logger.info("speculative decoding: %s, draft mode %s (%s)", self.spec.method, self.draft_mode.mode,
                         self.draft_mode.reason)
         self.spec_stats = SpecDecodeStats()
-        self.policy = SpecPolicy(self.spec.max_k) if self.spec.enabled and self.spec.auto else None
+        # MTP defers step 0 at K = 0 where it runs on the global batch (not the sharded mode at PCP > 1)
+        defers = self.spec.method == "mtp" and (self.draft_mode.mode != "sharded"
+                                                or config.parallel_config.prefill_context_parallel_size == 1)
+        self.policy = SpecPolicy(self.spec.max_k, defers_step0=defers) if self.spec.enabled and self.spec.auto else None
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, config.model_config, num_blocks,
                                    self.spec, self.policy, num_kv_pools=pools)
         if self.policy is not None:  # seed its cost models; the next plan frees the synthetic rows on every rank

@@ -7,7 +7,8 @@ Features of a step (all from the StepPlan, so the scheduler can evaluate a step 
             verifying rows and their summed context (a row with drafts takes the multi-token attention path and
             the rejection sampler, a plain decode neither), emitted tokens
             (the engine's per-token output work; expected emitted when the policy evaluates a step)
-    draft:  1, tokens, attended keys                   (MTP step 0 / DSpark context: every token of the step)
+    draft:  1, tokens, attended keys                   (MTP step 0 / DSpark context: every token of the step;
+                                                        0 at a decode step where MTP defers step 0, K = 0)
             [k>0], S [k>0], C [k>0]                    (first draft: sampling / DSpark's block, S rows, C keys)
             (k-1)+, S (k-1)+, C (k-1)+                 (MTP's one-token draft decodes)
 where S = sampling rows and C = their summed context. A drafter whose passes lack a term fits ~0 for it.
@@ -47,11 +48,12 @@ class StepShape:
         return np.array([1.0, self.num_rows, self.num_tokens, self.num_keys, self.num_verifying_rows,
                          self.verifying_context, self.num_emitted])
 
-    def draft_features(self, k: int) -> np.ndarray:
-        first, decodes = float(k > 0), float(max(k - 1, 0))
+    def draft_features(self, k: int, step0: bool = True) -> np.ndarray:
+        """`step0`: the drafter runs its pass over every token of the step (False: MTP deferred it, K = 0)."""
+        first, decodes, every = float(k > 0), float(max(k - 1, 0)), float(step0)
         s, c = self.num_sampling_rows, self.sampling_context
-        return np.array([1.0, self.num_tokens, self.num_keys, first, s * first, c * first, decodes, s * decodes,
-                         c * decodes])
+        return np.array([every, self.num_tokens * every, self.num_keys * every, first, s * first, c * first, decodes,
+                         s * decodes, c * decodes])
 
 
 def attended_keys(num_new_tokens: int, num_computed_tokens: int) -> float:

@@ -36,8 +36,11 @@ class RunningRow:
 
 
 class SpecPolicy:
-    def __init__(self, max_k: int, explore_after: int = 16, max_explore_after: int = 256, switch_margin: float = 0.03):
+    def __init__(self, max_k: int, explore_after: int = 16, max_explore_after: int = 256, switch_margin: float = 0.03,
+                 defers_step0: bool = False):
         self.max_k, self.switch_margin = max_k, switch_margin
+        # MTP's step 0 is deferred at K = 0 on decode-only steps (mtp_catch_up.py): those steps price no step 0
+        self.defers_step0 = defers_step0
         self.accept = PositionRates(max_k)
         self.fill = PositionRates(max_k, prior=0.9)  # model drafters always fill; n-gram learns its own rate
         self.target = LinearCostModel(TARGET_TERMS)
@@ -98,7 +101,9 @@ class SpecPolicy:
             shape = StepShape(len(running), round(prompt_tokens + len(decode) + drafts[:, k].sum()),
                               prompt_keys + float((1 + drafts[:, k]) @ context), len(decode), int(context.sum()),
                               verifying if k else 0.0, verifying_context if k else 0.0, float(emitted[:, k].sum()))
-            seconds[k] = self.target.predict(shape.target_features()) + self.draft.predict(shape.draft_features(k))
+            step0 = k > 0 or prompt_tokens > 0 or not self.defers_step0
+            draft = self.draft.predict(shape.draft_features(k, step0))
+            seconds[k] = self.target.predict(shape.target_features()) + draft
         return emitted.sum(axis=0), seconds
 
     def _commit(self, k: int, predicted: float) -> int:
@@ -113,7 +118,8 @@ class SpecPolicy:
         """A step ran: `step_s` its whole wall time on rank 0, `draft_s` the drafter's share of it."""
         shape = step_shape(plan, output)
         self.target.observe(shape.target_features(), max(step_s - draft_s, 0.0))
-        self.draft.observe(shape.draft_features(plan.num_spec_tokens), draft_s)
+        step0 = plan.num_spec_tokens > 0 or any(row.is_prefill for row in plan.rows) or not self.defers_step0
+        self.draft.observe(shape.draft_features(plan.num_spec_tokens, step0), draft_s)
         sampling_rows = [row for row in plan.rows if row.sampling is not None]
         if learn_acceptance:
             for s, row in enumerate(sampling_rows):

@@ -181,3 +181,15 @@ def test_batch_sharing_a_cached_prefix_gives_the_tokens_of_each_prompt_alone(tin
         want = alone.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
         assert got == want
     assert not merges  # one request a step: no cascade
+
+
+def test_a_shared_expanded_prefix_tips_long_rows_to_the_expanded_form():
+    """The bundled model's shapes (4 heads, nope 32, rope 64, v 64, kv_lora 512): a 25-token chunk over 1,000 keys
+    is cheaper absorbed alone, but expanded once 32 rows share a 700-key prefix expanded once for all of them (each
+    row is charged 1/32 of that expansion); with 2 rows sharing it the absorbed form still wins."""
+    from tandem.attention.mla import MLAUpProjection, prefers_expanded
+
+    up = MLAUpProjection(torch.zeros(4, 32, 512), torch.zeros(4, 64, 512))
+    assert not prefers_expanded(25, 1000, up, 64)
+    assert prefers_expanded(25, 1000, up, 64, num_shared=700, num_sharing=32)
+    assert not prefers_expanded(25, 1000, up, 64, num_shared=700, num_sharing=2)

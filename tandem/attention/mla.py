@@ -53,12 +53,16 @@ def up_project(o_latent: torch.Tensor, up: MLAUpProjection) -> torch.Tensor:
     return torch.matmul(o_latent.transpose(0, 1), up.w_uv.transpose(1, 2)).transpose(0, 1)
 
 
-def prefers_expanded(num_queries: int, seq_len: int, up: MLAUpProjection, rope: int) -> bool:
-    """The cost formula of the module docstring: True when expanding the row's keys costs fewer multiply-adds."""
+def prefers_expanded(num_queries: int, seq_len: int, up: MLAUpProjection, rope: int, num_shared: int = 0,
+                     num_sharing: int = 1) -> bool:
+    """The cost formula of the module docstring: True when expanding the row's keys costs fewer multiply-adds.
+    `num_shared`: its first keys are a prefix that `num_sharing` rows share and expand once for all (a row is
+    charged its share of that expansion)."""
     heads, nope, lora = up.w_uk.shape
     v = up.w_uv.shape[1]
     scores = heads * (num_queries * (seq_len - num_queries) + num_queries * num_queries / 2)
-    expanded = seq_len * heads * lora * (nope + v) + scores * 2 * (nope + rope)
+    expanded_keys = seq_len - num_shared + num_shared / max(num_sharing, 1)
+    expanded = expanded_keys * heads * lora * (nope + v) + scores * 2 * (nope + rope)
     absorbed = num_queries * heads * lora * (nope + v) + scores * 2 * (lora + rope)
     return expanded < absorbed
 

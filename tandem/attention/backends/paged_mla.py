@@ -70,9 +70,12 @@ class PagedMLABackend(AttentionBackend):
             o_latent = prefix_attention(q_abs, lat, None, meta, scale, value_dims=lora, long_rows=False)
             out[short] = up_project(o_latent[short], up)
         shared, num_shared = None, 0
+        num_sharing = sum(lr.shares_prefix for lr in meta.long_rows)
         for lr in meta.long_rows:
-            expanded = prefers_expanded(lr.num_queries, lr.seq_len, up, q_pe.shape[-1])
-            if expanded and lr.shares_prefix and meta.long_prefix is not None:  # expanded once a layer, not a row
+            prefix = meta.long_prefix if lr.shares_prefix else None
+            expanded = prefers_expanded(lr.num_queries, lr.seq_len, up, q_pe.shape[-1],
+                                        0 if prefix is None else prefix.num_keys, num_sharing)
+            if expanded and prefix is not None:  # expanded once a layer, not a row
                 if shared is None:
                     lat = meta.long_prefix.keys(cache_flat).to(q_nope.dtype)  # [P, L + R]
                     shared, num_shared = expand_latents(lat, up), meta.long_prefix.num_keys

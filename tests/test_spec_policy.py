@@ -130,6 +130,19 @@ def test_a_step_of_only_new_requests_proposes_at_the_k_that_paid_last():
     assert policy.choose([RunningRow("prompt", 900, 500)]) == K_MAX, "a prompt chunk alone says nothing about K"
 
 
+def test_a_new_batch_is_weighed_by_its_own_size_not_the_last_tail():
+    """A batch's tail (one row) pays for drafting, the next batch of 16 does not: its prompt-only first step picks
+    the K of a 16-row decode step, not the K the tail ended on."""
+    world = World(0.5)
+    assert world.best_k(1) >= 1 and world.best_k(16) == 0
+    policy = SpecPolicy(K_MAX)
+    Simulation(policy, 16, seed=7).run(world, 300)
+    tail = Simulation(policy, 1, seed=8).run(world, 300)
+    assert tail[-1] >= 1, f"the one-row tail should draft: {tail[-20:]}"
+    prompts = [RunningRow(f"new{i}", 120, 120) for i in range(16)]
+    assert policy.choose(prompts) == world.best_k(16)
+
+
 def test_the_clear_cases_cover_every_regime():
     """The synthetic worlds really ask for different answers (else converging would prove little)."""
     assert [World(a).best_k(b) for a, b in CLEAR] == [K_MAX, 1, 0, 0]

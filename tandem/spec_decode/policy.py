@@ -58,10 +58,15 @@ class SpecPolicy:
     # -- choosing ------------------------------------------------------------------------------------------------
     def choose(self, running: list[RunningRow]) -> int:
         if all(r.num_new_tokens > 1 for r in running):
-            # only admissions and prompt chunks (a new batch): no decode to weigh K by, and the rows that finish
-            # their prompt propose at the K that paid last, as a fixed K would (K = 0 here, every rate being 0,
-            # cost each new batch a drafting step)
-            return self._commit(self._last_k, 0.0)
+            # only admissions and prompt chunks (a new batch): the drafts proposed now are verified by the decode
+            # step these rows make next, so weigh K by that step (new requests at the global acceptance estimate),
+            # not by the K the last batch's tail paid for (a 32-row batch inherited K = 3 from a 2-row tail).
+            # Before the costs are fitted, or with no row at all, the K that paid last (K = 0 there, every rate
+            # being 0, would cost each new batch a step without drafts)
+            if not running or not (self.target.ready and self.draft.ready):
+                return self._commit(self._last_k, 0.0)
+            emitted, seconds = self.expected([RunningRow(r.request_id, r.num_tokens, 1) for r in running])
+            return self._commit(int(np.argmax(emitted / np.maximum(seconds, 1e-9))), 0.0)
         emitted, seconds = self.expected(running)
         if not (self.target.ready and self.draft.ready):
             k = self.max_k - int(self.chosen.sum()) % (self.max_k + 1)  # not seeded yet: sweep K to fit costs

@@ -22,6 +22,7 @@ from tandem.sampling_params import SamplingParams
 from tandem.spec_decode.calibration import calibrate
 from tandem.spec_decode.draft_mode import resolve_draft_mode
 from tandem.spec_decode.metrics import SpecDecodeStats
+from tandem.spec_decode.mtp_catch_up import defers_step0
 from tandem.spec_decode.policy import SpecPolicy
 from tandem.tokenizer import Tokenizer
 
@@ -53,9 +54,8 @@ class LLMEngine:
             logger.info("speculative decoding: %s, draft mode %s (%s)", self.spec.method, self.draft_mode.mode,
                         self.draft_mode.reason)
         self.spec_stats = SpecDecodeStats()
-        # MTP defers step 0 at K = 0 where it runs on the global batch (not the sharded mode at PCP > 1)
-        defers = self.spec.method == "mtp" and (self.draft_mode.mode != "sharded"
-                                                or config.parallel_config.prefill_context_parallel_size == 1)
+        defers = defers_step0(self.spec.method, self.draft_mode.mode,
+                              config.parallel_config.prefill_context_parallel_size)
         self.policy = SpecPolicy(self.spec.max_k, defers_step0=defers) if self.spec.enabled and self.spec.auto else None
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, config.model_config, num_blocks,
                                    self.spec, self.policy, num_kv_pools=pools)

@@ -4,8 +4,8 @@
 step's few rows that re-blocking is most of the GEMM. oneDNN packs a weight once into its blocked layout
 (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's freezing does for compiled pieces, and what vLLM's CPU
 backend does for its linears), and `_linear_pointwise` then reads it straight. Measured here (AMD EPYC, 2 cores,
-avx2, float32, one [N, K] weight): SmolLM2's MLP gate_up [3072, 576] at 8 rows 2.11 -> 0.50 ms, its LM head
-[49152, 576] at 32 rows 46.3 -> 19.0 ms; at prompt-chunk sizes (2,516 rows) the two are equal.
+avx2, float32, one [N, K] weight; benchmarks/cpu_gemm.py): SmolLM2's MLP gate_up [3072, 576] at 8 rows 617 ->
+293 us, its LM head [49152, 576] at 32 rows 38.4 -> 17.2 ms; at prompt-chunk sizes (2,516 rows) the two are equal.
 
 Eager mode packs every linear weight; compiled mode (whose freezing packs the pieces it compiles) only the LM head,
 which runs outside them. The plain weight stays where it was (tied embeddings, MLA's absorbed kv_b and the compiled
@@ -16,8 +16,9 @@ for other dtypes, the layer keeps F.linear.
 A packed call costs ~50 us of fixed dispatch, so small GEMMs stay on F.linear (benchmarks/cpu_gemm.py measures
 both over weight shapes x rows): weights under PACK_MIN_ELEMENTS are not packed (the bundled model's 256-wide
 projections lose at every row count up to 32), and a single-row call (a gemv, which F.linear does well) uses the
-packed weight only from ANY_ROWS_ELEMENTS on (SmolLM2's [3072, 576] gate_up: 225 -> 123 us at one row; its
-[960, 576] qkv: 50 -> 71 us, a loss, but 111 -> 57 us at two rows).
+packed weight only from ANY_ROWS_ELEMENTS on (the LM head at one row: 11.1 -> 6.6 ms; SmolLM2's [960, 576] qkv:
+71 -> 86 us, a loss, but 142 -> 87 us at two rows; its [3072, 576] gate_up at one row measured a gain in one run
+and a loss in another, and end to end slightly better packed).
 """
 
 from __future__ import annotations
@@ -53,7 +54,6 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), DECODE_ROWS_HINT)
     except RuntimeError:  # a CPU without oneDNN's path for this dtype
         return None
-
 
 
 def prepack_linears(model: nn.Module, lm_head_only: bool) -> int:

@@ -31,6 +31,12 @@ from tandem.worker.input_batch import InputBatch, global_attention_metadata
 MAX_DEFERRED_TOKENS = 256  # a request's deferred hidden states, each [H]: bounded memory, a bounded catch-up
 
 
+def defers_step0(method: str | None, draft_mode: str | None, pcp_size: int) -> bool:
+    """Whether an MTP drafter defers step 0 at K = 0: where step 0 runs on the global batch (replicated, or any
+    mode at PCP size 1); the sharded mode at PCP > 1 runs it on rank-local segments every step."""
+    return method == "mtp" and (draft_mode != "sharded" or pcp_size == 1)
+
+
 @dataclass
 class DeferredTokens:
     """One request's tokens whose MTP step 0 has not run: consecutive positions from `start`."""

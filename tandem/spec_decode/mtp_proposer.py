@@ -31,7 +31,7 @@ from tandem.spec_decode.draft_sampling import pack_drafts, sample_draft
 from tandem.spec_decode.mtp_catch_up import DeferredStep0
 from tandem.spec_decode.proposer import Proposal, TargetStep
 from tandem.worker.input_batch import InputBatch, global_attention_metadata
-from tandem.worker.pcp_hooks import PartitionedPCPHooks, ShardedKVPCPHooks
+from tandem.worker.pcp_hooks import ShardedKVPCPHooks
 
 
 class MTPProposer:
@@ -41,12 +41,13 @@ class MTPProposer:
     def __init__(self, mtp: DeepSeekMTP, backends: dict[str, type[AttentionBackend]], block_size: int,
                  max_model_len: int, probabilistic: bool, sharded: bool,
                  target_backends: dict[str, type[AttentionBackend]],
-                 padded_size: Callable[[int], int] = lambda n: n):
+                 padded_size: Callable[[int], int] = lambda n: n, defers: bool = False):
         self.mtp, self.backends, self.block_size = mtp, backends, block_size
         self.max_model_len, self.probabilistic, self.sharded = max_model_len, probabilistic, sharded
         self.target_backends = target_backends
         self.padded_size = padded_size  # PIECEWISE: draft decodes of S rows run at this many tokens
-        self.deferred = DeferredStep0(block_size)  # decode tokens of K = 0 steps, step 0 not yet run
+        # decode tokens of K = 0 steps whose step 0 has not run (mtp_catch_up.defers_step0 says where it defers)
+        self.defers, self.deferred = defers, DeferredStep0(block_size)
 
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         return 0  # the MTP layers' attention modules are part of the target model, sized with it
@@ -73,11 +74,10 @@ class MTPProposer:
         # accepted all K drafts plus its bonus token).
         max_seq_len = draft_max_seq_len(batch, k, self.max_model_len)
         shifted, last_idx = self._shifted_ids(plan, batch, emitted)  # global: a next token may be remote
-        defers = not self.sharded or not isinstance(step.pcp, PartitionedPCPHooks)  # step 0 on the global batch
-        if defers and k == 0 and last_idx and self.deferred.can_defer(plan, batch, last_idx):
+        if self.defers and k == 0 and last_idx and self.deferred.can_defer(plan, batch, last_idx):
             self.deferred.defer(plan, batch, shifted, step.global_hidden(), last_idx)
             return Proposal([[] for _ in last_idx])
-        extension = self.deferred.extend(plan, batch, shifted, step.global_hidden()) if defers else None
+        extension = self.deferred.extend(plan, batch, shifted, step.global_hidden()) if self.defers else None
         sample_idx = last_idx  # each sampling row's last valid token among step 0's outputs
         if extension is not None:  # the deferred tokens ride along, each row now a longer causal run
             with forward_context(extension.attn_metadata, self.backends):

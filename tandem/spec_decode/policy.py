@@ -106,10 +106,13 @@ class SpecPolicy:
             shape = StepShape(len(running), round(prompt_tokens + len(decode) + drafts[:, k].sum()),
                               prompt_keys + float((1 + drafts[:, k]) @ context), len(decode), int(context.sum()),
                               verifying if k else 0.0, verifying_context if k else 0.0, float(emitted[:, k].sum()))
-            step0 = k > 0 or prompt_tokens > 0 or not self.defers_step0
-            draft = self.draft.predict(shape.draft_features(k, step0))
+            draft = self.draft.predict(shape.draft_features(k, self._runs_step0(k, prompt_tokens > 0)))
             seconds[k] = self.target.predict(shape.target_features()) + draft
         return emitted.sum(axis=0), seconds
+
+    def _runs_step0(self, k: int, has_prompt_rows: bool) -> bool:
+        """Whether the drafter's per-step pass runs at K = k: only a decode-only step at K = 0 defers it."""
+        return k > 0 or has_prompt_rows or not self.defers_step0
 
     def _commit(self, k: int, predicted: float) -> int:
         self.chosen[k] += 1
@@ -123,7 +126,7 @@ class SpecPolicy:
         """A step ran: `step_s` its whole wall time on rank 0, `draft_s` the drafter's share of it."""
         shape = step_shape(plan, output)
         self.target.observe(shape.target_features(), max(step_s - draft_s, 0.0))
-        step0 = plan.num_spec_tokens > 0 or any(row.is_prefill for row in plan.rows) or not self.defers_step0
+        step0 = self._runs_step0(plan.num_spec_tokens, any(row.is_prefill for row in plan.rows))
         self.draft.observe(shape.draft_features(plan.num_spec_tokens, step0), draft_s)
         sampling_rows = [row for row in plan.rows if row.sampling is not None]
         if learn_acceptance:

@@ -77,8 +77,8 @@ class PagedMLABackend(AttentionBackend):
                                         0 if prefix is None else prefix.num_keys, num_sharing)
             if expanded and prefix is not None:  # expanded once a layer, not a row
                 if shared is None:
-                    lat = meta.long_prefix.keys(cache_flat).to(q_nope.dtype)  # [P, L + R]
-                    shared, num_shared = expand_latents(lat, up), meta.long_prefix.num_keys
+                    lat = prefix.keys(cache_flat).to(q_nope.dtype)  # [P, L + R]
+                    shared, num_shared = expand_latents(lat, up), prefix.num_keys
                 latent = gather_rows(cache_flat, lr.kv_slots[num_shared:]).to(q_nope.dtype)  # [S - P, L + R]
                 long_row_attention(q_nope, q_pe, latent, lr.pieces, scale, up, True, out, shared)
                 continue

@@ -10,6 +10,8 @@ test questions (`tandem eval gsm8k`'s layout) from ../shared/data/gsm8k when pre
 generation stops at the answer's end (a blank line), as in the eval. Per-position acceptance (vLLM's definition):
 drafts accepted at position i / drafts verified, i = 1..K, over every step of the runs on one engine (the warm-up
 included); `--plot` draws it per drafter, one panel per batch size.
+Every config's engine is built first and the timed runs go round-robin, so machine noise falls on all of them
+alike; each point is the best of --repeats runs.
 """
 
 from __future__ import annotations
@@ -34,28 +36,41 @@ def prompts(n: int) -> list[str]:
     return build_prompts(questions, shots)
 
 
-def run(model: str, spec: dict | None, batch: int, max_tokens: int, args: argparse.Namespace) -> dict:
+def build(model: str, spec: dict | None, args: argparse.Namespace) -> LLM:
     compilation = {"mode": args.compilation_mode} if args.compilation_mode else None
     # prefix caching on (the engine's default): the shared 5-shot prefix, and from the second timed run on the
     # whole prompts, are cached, so the best run measures decoding, which is what speculation changes
     llm = LLM(model, dtype=args.dtype, max_model_len=args.max_model_len, speculative_config=spec,
-              compilation_config=compilation)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, stop=STOP_STRINGS)
+              compilation_config=compilation, num_gpu_blocks_override=args.num_blocks)
     llm.generate(prompts(1), SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
-    elapsed = float("inf")
-    for _ in range(args.repeats):  # best of: a short run on a shared machine is noisy
-        start = time.perf_counter()
-        outs = llm.generate(prompts(batch), params, use_tqdm=False)
-        elapsed = min(elapsed, time.perf_counter() - start)
+    return llm
+
+
+def run_batch(engines: dict[str, LLM], batch: int, max_tokens: int, repeats: int) -> dict[str, dict]:
+    """Every config's engine is built first and the timed runs go round-robin (the order rotating each round),
+    so a slow patch of a shared machine falls on every config alike; each config reports its best run."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, stop=STOP_STRINGS)
+    batch_prompts = prompts(batch)
+    names = list(engines)
+    elapsed = dict.fromkeys(names, float("inf"))
+    outs: dict[str, list] = {}
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            start = time.perf_counter()
+            outs[name] = engines[name].generate(batch_prompts, params, use_tqdm=False)
+            elapsed[name] = min(elapsed[name], time.perf_counter() - start)
+    results = {}
+    for name, llm in engines.items():
         metrics = {m.name: m.values if hasattr(m, "values") else m.value for m in llm.get_metrics()}
-    llm.shutdown()
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    drafts = metrics.get("tandem:spec_decode_num_drafts") or 0
-    per_pos = metrics.get("tandem:spec_decode_num_accepted_tokens_per_pos") or []
-    return {"batch": batch, "tokens_per_s": tokens / elapsed, "wall_s": elapsed,
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs[name])
+        drafts = metrics.get("tandem:spec_decode_num_drafts") or 0
+        per_pos = metrics.get("tandem:spec_decode_num_accepted_tokens_per_pos") or []
+        results[name] = {
+            "batch": batch, "tokens_per_s": tokens / elapsed[name], "wall_s": elapsed[name],
             "mean_acceptance_length": metrics.get("tandem:spec_decode_mean_acceptance_length", 1.0),
             "acceptance_rate": metrics.get("tandem:spec_decode_acceptance_rate"),
             "acceptance_per_pos": [n / drafts for n in per_pos] if drafts else []}
+    return results
 
 
 def plot_acceptance(results: list[dict], model: str, info: dict, args: argparse.Namespace) -> Path:
@@ -81,6 +96,8 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--compilation-mode", type=int, default=0, help="3: compiled pieces (VLLM_COMPILE)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per point; the best is reported")
+    p.add_argument("--num-blocks", type=int, default=2048,
+                   help="KV blocks per engine (every config's engine is alive at once)")
     p.add_argument("--json")
     p.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
                    help="draw the per-position acceptance rate of each drafter (needs the `plot` extra)")
@@ -103,16 +120,19 @@ def main() -> None:
     results = []
     print(f"{'config':<12} {'batch':>5} {'tok/s':>9} {'vs no-spec':>10} {'accept len':>10} {'accept rate':>11}  "
           "per position")
+    engines = {name: build(args.model, spec, args) for name, spec in configs}
     for batch in args.batches:
-        base = None
-        for name, spec in configs:
-            r = run(args.model, spec, batch, args.max_tokens, args) | {"config": name}
-            base = base or r["tokens_per_s"]
+        batch_results = run_batch(engines, batch, args.max_tokens, args.repeats)
+        base = batch_results["no-spec"]["tokens_per_s"]
+        for name, r in batch_results.items():
+            r["config"] = name
             rate = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.3f}"
             per_pos = " ".join(f"{x:.3f}" for x in r["acceptance_per_pos"]) or "-"
             print(f"{name:<12} {batch:>5} {r['tokens_per_s']:>9.1f} {r['tokens_per_s'] / base:>9.2f}x "
                   f"{r['mean_acceptance_length']:>10.3f} {rate:>11}  {per_pos}")
             results.append(r)
+    for llm in engines.values():
+        llm.shutdown()
     if not has_mtp:
         print("(MTP rows skipped: the checkpoint has no MTP layers)")
     if args.json:

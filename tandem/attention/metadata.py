@@ -121,7 +121,7 @@ class SharedPrefix:
         """flat [num_slots, ...] -> the prefix's [num_keys, ...]: a view of the cache, or gathered once."""
         if self.first_slot is not None:
             return flat[self.first_slot: self.first_slot + self.num_keys]
-        return flat.index_select(0, self.slots)
+        return select_rows(flat, self.slots)
 
 
 @dataclass
@@ -329,4 +329,13 @@ def _group(pieces: list[tuple[int, int, int]], positions: torch.Tensor, qsl: tor
 def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """x[idx] for a 2-D index: index_select copies whole rows, several times faster on CPU than advanced
     indexing, which matters because every layer gathers its keys through the block table."""
-    return x.index_select(0, idx.flatten()).view(*idx.shape, *x.shape[1:])
+    return select_rows(x, idx.flatten()).view(*idx.shape, *x.shape[1:])
+
+
+def select_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x.index_select(0, idx) for a 1-D index, through a 2-D view when x is contiguous: on the CPU index_select
+    copies a 2-D tensor's rows as whole memcpys but walks a 3-D one ([slots, 1, 576]: MLA's latent cache seen as
+    one KV head) element-strided, 2.6x slower (1,004 rows: 57 vs 150 us)."""
+    if x.dim() > 2 and x.is_contiguous():
+        return x.view(x.shape[0], -1).index_select(0, idx).view(idx.shape[0], *x.shape[1:])
+    return x.index_select(0, idx)

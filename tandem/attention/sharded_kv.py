@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.attention.causal_rows import attention_with_lse
-from tandem.attention.metadata import SHORT_ROW_TOKENS
+from tandem.attention.metadata import SHORT_ROW_TOKENS, select_rows
 
 NEG_INF = float("-inf")
 
@@ -105,9 +105,9 @@ def owned_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor 
     first dv channels when None) -> (out [Q, Hq, dv], lse [Q, Hq] float32)."""
     if row.num_queries > SHORT_ROW_TOKENS:
         shared = row.shared_slots()
-        keys = torch.cat((k_flat.index_select(0, shared), k_flat.index_select(0, row.diag_slots)))
+        keys = torch.cat((select_rows(k_flat, shared), select_rows(k_flat, row.diag_slots)))
         values = keys[..., :dv] if v_flat is None else torch.cat(
-            (v_flat.index_select(0, shared), v_flat.index_select(0, row.diag_slots)))
+            (select_rows(v_flat, shared), select_rows(v_flat, row.diag_slots)))
         return long_owned_attention(q, keys.to(q.dtype), values.to(q.dtype), shared.shape[0], row, scale)
     return short_owned_attention(q, k_flat, v_flat, row, scale, dv)
 
@@ -121,11 +121,11 @@ def short_owned_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.T
     r = hq // hkv
     qf = q.reshape(n, hkv, r, -1).permute(1, 2, 0, 3).reshape(hkv, r * n, -1)  # [Hkv, r n, Dk]
     idx = torch.cat((row.gathered, row.diag_slots))
-    keys = [k_flat[a: a + m] for a, m in row.runs] + [k_flat.index_select(0, idx)]  # each [s, Hkv, Dk]
+    keys = [k_flat[a: a + m] for a, m in row.runs] + [select_rows(k_flat, idx)]  # each [s, Hkv, Dk]
     if v_flat is None:
         values = [k[..., :dv] for k in keys]
     else:
-        values = [v_flat[a: a + m] for a, m in row.runs] + [v_flat.index_select(0, idx)]
+        values = [v_flat[a: a + m] for a, m in row.runs] + [select_rows(v_flat, idx)]
     scores = torch.cat([torch.matmul(qf, k.to(q.dtype).permute(1, 2, 0)) for k in keys], dim=-1).float() * scale
     n_d = row.diag_slots.shape[0]
     if n_d:  # the diag keys are the last n_d
@@ -202,10 +202,10 @@ def grouped_owned_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch
     g, num_q = group.token_idx.shape
     hq, hkv = q.shape[1], k_flat.shape[1]
     r = hq // hkv
-    qg = q.index_select(0, group.token_idx.flatten()).view(g, num_q, hkv, r, -1)
+    qg = select_rows(q, group.token_idx.flatten()).view(g, num_q, hkv, r, -1)
     qf = qg.permute(0, 2, 3, 1, 4).reshape(g, hkv, r * num_q, -1)  # [G, Hkv, r Q, Dk]
-    kg = k_flat.index_select(0, group.kv_slots.flatten()).view(g, -1, hkv, k_flat.shape[-1]).to(q.dtype)
-    vg = kg[..., :dv] if v_flat is None else v_flat.index_select(0, group.kv_slots.flatten()).view(
+    kg = select_rows(k_flat, group.kv_slots.flatten()).view(g, -1, hkv, k_flat.shape[-1]).to(q.dtype)
+    vg = kg[..., :dv] if v_flat is None else select_rows(v_flat, group.kv_slots.flatten()).view(
         g, -1, hkv, v_flat.shape[-1]).to(q.dtype)
     scores = torch.matmul(qf, kg.permute(0, 2, 3, 1)).float() * scale  # [G, Hkv, r Q, S]
     scores.view(g, hkv, r, num_q, -1).masked_fill_(~group.visible[:, None, None], NEG_INF)

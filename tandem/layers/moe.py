@@ -235,18 +235,25 @@ class FusedMoE(nn.Module):
         return min(self.num_local_experts, (4 << 20) // max(pair_bytes, 1))
 
     def _gathered_experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        # Each of the T*K pairs gathers its expert's weights and runs as one batched matmul: no host sync, no loop
-        # over experts. Choices are summed in ascending expert order, one at a time, as the loop's index_add does,
-        # so both paths give the same sums. A non-local choice (expert parallel) runs expert 0 with weight 0.
+        # Off the CPU each of the T*K pairs gathers its expert's weights and runs as one batched matmul: no host
+        # sync, no loop over experts. Choices are summed in ascending expert order, one at a time, as the loop's
+        # index_add does, so both paths give the same sums. A non-local choice (expert parallel) runs expert 0
+        # with weight 0.
         t, k = topk_ids.shape
         ids, order = torch.sort(topk_ids - self.expert_start, dim=1, stable=True)  # [T, K] local ids, ascending
         weights = topk_weights.gather(1, order)
         is_local = (ids >= 0) & (ids < self.num_local_experts)
         ids, weights = torch.where(is_local, ids, 0).flatten(), torch.where(is_local, weights, 0.0)
-        xs = x.unsqueeze(1).expand(t, k, x.shape[1]).reshape(t * k, 1, x.shape[1])  # [T*K, 1, H]
-        h = torch.bmm(xs, self.w13_weight[ids].transpose(1, 2))  # [T*K, 1, 2I]
-        h = torch.bmm(silu_and_mul(h), self.w2_weight[ids].transpose(1, 2)).view(t, k, -1)  # [T, K, H]
-        h = h * weights.unsqueeze(-1)
+        if x.device.type == "cpu":
+            # host ids cost nothing on the CPU: each pair multiplies its expert's weights in place (views), which
+            # is ~3x cheaper than copying them out (one token's 2 pairs, 8 x [256, 256] experts: 75 vs 230 us)
+            h = torch.stack([F.linear(silu_and_mul(F.linear(x[p // k: p // k + 1], self.w13_weight[e])),
+                                      self.w2_weight[e])[0] for p, e in enumerate(ids.tolist())]).view(t, k, -1)
+        else:  # index_select copies whole experts, several times faster than advanced indexing
+            xs = x.unsqueeze(1).expand(t, k, x.shape[1]).reshape(t * k, 1, x.shape[1])  # [T*K, 1, H]
+            h = torch.bmm(xs, self.w13_weight.index_select(0, ids).transpose(1, 2))  # [T*K, 1, 2I]
+            h = torch.bmm(silu_and_mul(h), self.w2_weight.index_select(0, ids).transpose(1, 2)).view(t, k, -1)
+        h = h * weights.unsqueeze(-1)  # [T, K, H]
         out = torch.zeros_like(x) + h[:, 0].to(x.dtype)
         for j in range(1, k):
             out = out + h[:, j].to(x.dtype)

@@ -30,7 +30,7 @@ from tandem.models.mtp import DeepSeekMTP
 from tandem.spec_decode.draft_sampling import pack_drafts, sample_draft
 from tandem.spec_decode.mtp_catch_up import DeferredStep0
 from tandem.spec_decode.proposer import Proposal, TargetStep
-from tandem.worker.input_batch import InputBatch, global_attention_metadata
+from tandem.worker.input_batch import InputBatch
 from tandem.worker.pcp_hooks import ShardedKVPCPHooks
 
 
@@ -86,8 +86,7 @@ class MTPProposer:
         elif self.sharded:
             h_logits, h_feedback = self._sharded_step0(shifted, step)  # [T_r, H] each
         else:
-            meta = global_attention_metadata(batch, self.block_size)
-            with forward_context(meta, self.backends):
+            with forward_context(step.pcp.global_metadata(batch, step.local), self.backends):
                 h_logits, h_feedback = self.mtp(shifted, batch.positions, step.global_hidden(), 0)  # [T, H] each
         if k == 0 or not last_idx:
             return Proposal([[] for _ in last_idx])  # step 0 only kept the MTP layer's KV up to date

@@ -51,6 +51,13 @@ class PCPHooks:
     def maybe_partition(self, batch: InputBatch) -> LocalBatch:
         return LocalBatch(batch.input_ids, batch.positions, global_attention_metadata(batch, self.block_size))
 
+    def global_metadata(self, batch: InputBatch, local: LocalBatch) -> AttentionMetadata:
+        """The whole global batch's attention metadata (a replicated drafter's step 0). At PCP size 1 it is the
+        rank's own, built once for the target: no second build a step."""
+        meta = local.attn_metadata
+        assert isinstance(meta, AttentionMetadata)
+        return meta
+
     def localize(self, x: torch.Tensor) -> torch.Tensor:
         """[T_global, ...] -> [T_r, ...] this rank's tokens, in local order."""
         return x
@@ -93,6 +100,9 @@ class PartitionedPCPHooks(PCPHooks):
         self.part = part
         self.token_idx = torch.from_numpy(view.token_idx).to(batch.input_ids.device)
         return part, view, batch.slot_mapping[: batch.num_tokens - batch.num_padding]
+
+    def global_metadata(self, batch: InputBatch, local: LocalBatch) -> AttentionMetadata:
+        return global_attention_metadata(batch, self.block_size)
 
     def maybe_partition(self, batch: InputBatch) -> LocalBatch:
         part, view, real_slots = self._partition(batch)

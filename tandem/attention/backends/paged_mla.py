@@ -13,7 +13,7 @@ import torch
 
 from tandem.attention.backend import AttentionBackend, register_backend
 from tandem.attention.backends.prefix import prefix_attention, write_kv
-from tandem.attention.metadata import SHORT_ROW_TOKENS, AttentionMetadata, gather_rows
+from tandem.attention.metadata import SHORT_ROW_TOKENS, AttentionMetadata, gather_rows, select_rows
 from tandem.attention.mla import (
     MLAUpProjection,
     absorb,
@@ -100,8 +100,8 @@ class PagedMLABackend(AttentionBackend):
         def row_attention(row: OwnedRow, qr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             num_keys = row.num_shared + row.diag_slots.shape[0]
             if row.num_queries > SHORT_ROW_TOKENS and prefers_expanded(row.num_queries, num_keys, up, rope):
-                latent = torch.cat((cache_flat.index_select(0, row.shared_slots()),
-                                    cache_flat.index_select(0, row.diag_slots))).to(q.dtype)  # [S, L + R]
+                latent = torch.cat((select_rows(cache_flat, row.shared_slots()),
+                                    select_rows(cache_flat, row.diag_slots))).to(q.dtype)  # [S, L + R]
                 kv = torch.matmul(latent[:, :lora], up.kv_b().t()).view(-1, heads, nope + up.w_uv.shape[1])
                 k = torch.cat((kv[..., :nope], latent[:, None, lora:].expand(-1, heads, -1)), dim=-1)  # [S, H, D]
                 return long_owned_attention(qr, k, kv[..., nope:], row.num_shared, row, scale)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.attention.causal_rows import attention_with_lse, causal_row_attention, merge_attn_states
-from tandem.attention.metadata import AttentionMetadata, RowKeys, SharedPrefix, gather_rows
+from tandem.attention.metadata import AttentionMetadata, RowKeys, SharedPrefix, gather_rows, select_rows
 from tandem.attention.sharded_kv import ShardedAttentionMetadata
 
 
@@ -108,12 +108,12 @@ def in_place_row_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.
     hkv = k_flat.shape[1]
     r = hq // hkv
     qf = fold_heads(q, hkv)  # [Hkv, r * n, Dk]
-    tail_k = k_flat.index_select(0, row.tail_slots)
+    tail_k = select_rows(k_flat, row.tail_slots)
     keys = [k_flat[a: a + m] for a, m in row.runs] + [tail_k]  # each [s, Hkv, Dk]
     if v_flat is None:
         values = [k[..., :dv] for k in keys]
     else:
-        values = [v_flat[a: a + m] for a, m in row.runs] + [v_flat.index_select(0, row.tail_slots)]
+        values = [v_flat[a: a + m] for a, m in row.runs] + [select_rows(v_flat, row.tail_slots)]
     scores = torch.cat([torch.matmul(qf, k.to(q.dtype).permute(1, 2, 0)) for k in keys], dim=-1).mul_(scale)
     if n > 1:  # the row's own n tokens are the last n keys: query i sees the first i + 1 of them
         blocked = torch.ones(n, n, dtype=torch.bool, device=q.device).triu_(1)

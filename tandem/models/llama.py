@@ -40,12 +40,18 @@ class GQAAttention(nn.Module):
         # x: [T, hidden] -> [T, hidden]
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 kv_size]
+        v = qkv[:, q_size + kv_size:]
+        if self.q_norm is None or self.k_norm is None:
+            # q's and k's heads lie side by side in the fused projection: one rotation serves both (half the
+            # elementwise ops a layer, the same bits)
+            heads = qkv[:, : q_size + kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+            (qk,) = self.rotary_emb(positions, heads)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
+        else:
+            q = self.q_norm(qkv[:, :q_size].reshape(t, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, q_size: q_size + kv_size].reshape(t, self.num_kv_heads, self.head_dim))
+            q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q.reshape(t, -1), k.reshape(t, -1), v))
 
 

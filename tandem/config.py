@@ -174,9 +174,9 @@ class SpeculativeConfig:
         return self.max_num_speculative_tokens or 0
 
     @property
-    def drops_last_prefix_hit_block(self) -> bool:
-        """MTP's KV entry at a cached block's last position was computed from the next token of the request
-        that cached it, so the last hit block is recomputed (as vLLM does for EAGLE/MTP)."""
+    def prefix_keys_next_token(self) -> bool:
+        """MTP's KV entry at a block's last position was computed from the token after the block, so a cached
+        block is keyed by its tokens and that one (engine/block_manager.py)."""
         return self.method == "mtp"
 
     @property

@@ -410,8 +410,9 @@ def _no_spec(path: Path) -> list[list[int]]:
 
 
 class _Restless(SpecPolicy):
-    """The policy, exploring after 2 steps at K = 0 and overruled every third step by another K, so that on tiny
-    models (where one K may win throughout) every run still switches K: up, down and to 0."""
+    """The policy, exploring after 2 steps at K = 0 and overruled every third step by another K (its choice + 1,
+    + 2, ..., + K_max in turn, mod K_max + 1), so that on tiny models (where one K may win throughout, and which one
+    depends on the measured step times) every run still switches K: up, down and to 0."""
 
     def __init__(self, max_k: int, **kwargs):
         super().__init__(max_k, explore_after=2, **kwargs)
@@ -420,7 +421,7 @@ class _Restless(SpecPolicy):
     def choose(self, running: list[RunningRow]) -> int:
         k = super().choose(running)
         if len(self.ks) % 3 == 2:
-            k = (k + 2) % (self.max_k + 1)
+            k = (k + 1 + (len(self.ks) // 3) % self.max_k) % (self.max_k + 1)
         self.ks.append(k)
         return k
 

@@ -1,7 +1,7 @@
 """Paged KV block allocation with reference counts and hash-based prefix caching.
 
-A full block's hash chains its parent's hash with its token ids, so equal hashes mean equal
-prefixes. Freed blocks keep their hash and go to the back of the free queue: they can be revived
+A full block's hash chains its parent's hash with its token ids (with an MTP drafter, and the token after it), so
+equal hashes mean equal prefixes. Freed blocks keep their hash and go to the back of the free queue: they can be revived
 by a later prefix hit until they are handed out again (then their hash is forgotten).
 
 With owner-sharded PCP KV (`num_pools` = P) the pool is P per-rank pools: global block id b is local block
@@ -33,16 +33,17 @@ def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-                 drop_last_hit_block: bool = False, num_pools: int = 1):
+                 key_next_token: bool = False, num_pools: int = 1):
         if num_pools < 1 or num_blocks % num_pools:
             raise ValueError(f"num_blocks={num_blocks} must be a positive multiple of num_pools={num_pools}")
         self.block_size = block_size
         self.num_pools = num_pools
         self.enable_prefix_caching = enable_prefix_caching
-        # An MTP layer's cache entry at position p was computed from token p + 1, so the last position of a hit
-        # prefix holds the cached request's next token, not necessarily this one's: with an MTP drafter the last
-        # matched block is recomputed instead (as vLLM does for EAGLE/MTP).
-        self.drop_last_hit_block = drop_last_hit_block
+        # An MTP layer's cache entry at position p was computed from token p + 1, so a block's entries depend on
+        # the token after it too: with an MTP drafter a block's key is its tokens plus the next one, and a block
+        # is registered once that token is known. A hit then reuses only entries computed from the same tokens
+        # (vLLM instead recomputes the whole last hit block for EAGLE/MTP: ~16 tokens a request for one entry).
+        self.key_next_token = key_next_token
         self.blocks = [Block(i) for i in range(num_blocks)]
         # per pool, its free global ids (pool p holds ids p, p + P, p + 2P, ...)
         self.free_ids: list[deque[int]] = [deque(range(p, num_blocks, num_pools)) for p in range(num_pools)]
@@ -77,8 +78,9 @@ class BlockManager:
         tokens = req.all_token_ids
         bs, parent = self.block_size, None
         max_blocks = (len(tokens) - 1) // bs
-        for i in range(max_blocks):
-            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+        extra = 1 if self.key_next_token else 0
+        for i in range(max_blocks):  # block i < max_blocks: the token after it exists
+            chunk = tuple(tokens[i * bs:(i + 1) * bs + extra])
             h = chain_hash(parent, chunk)
             block_id = self.hash_to_block.get(h)
             if block_id is None or self.blocks[block_id].token_ids != chunk:
@@ -87,9 +89,6 @@ class BlockManager:
             req.block_ids.append(block_id)
             req.block_hashes.append(h)
             parent = h
-        if self.drop_last_hit_block and req.block_ids:
-            self._release(req.block_ids.pop())
-            req.block_hashes.pop()
         return len(req.block_ids) * bs
 
     def record_prefix_query(self, num_tokens: int, num_hit: int) -> None:
@@ -133,8 +132,11 @@ class BlockManager:
         # accepted drafts are computed before they are appended to the request's tokens
         done = req.num_computed_tokens if num_tokens is None else num_tokens
         num_full = min(min(done, req.num_tokens) // bs, len(req.block_ids))
+        extra = 1 if self.key_next_token else 0
+        if extra:  # a block waits for the token after it (a decode's is sampled by the step that fills the block)
+            num_full = min(num_full, (req.num_tokens - 1) // bs)
         for i in range(len(req.block_hashes), num_full):  # only the newly full blocks' tokens are read
-            chunk = tuple(req.token_slice(i * bs, (i + 1) * bs))
+            chunk = tuple(req.token_slice(i * bs, (i + 1) * bs + extra))
             h = chain_hash(req.block_hashes[-1] if req.block_hashes else None, chunk)
             block = self.blocks[req.block_ids[i]]
             block.hash, block.token_ids = h, chunk

@@ -27,7 +27,7 @@ class Scheduler:
         self.lookahead = self.spec.num_lookahead_slots
         self.max_model_len = model_config.max_model_len
         self.block_manager = BlockManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
-                                          drop_last_hit_block=self.spec.drops_last_prefix_hit_block,
+                                          key_next_token=self.spec.prefix_keys_next_token,
                                           num_pools=num_kv_pools)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -48,7 +48,11 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         rows: list[ScheduledRow] = []
         scheduled: list[Request] = []
-        k = self._num_spec_tokens()
+        # K only sets the drafts decode rows verify now and the K proposed at the end of the step. With no decode
+        # row running (a new batch's first step), "auto" chooses after admission, over the rows it will run: before
+        # it, it saw no row at all and fell back to the K the previous batch's tail ended on
+        decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        k = self._num_spec_tokens(self.running) if decoding or self.policy is None else 0
         for req in list(self.running):
             if req not in self.running:
                 continue  # preempted while making room for an earlier request
@@ -86,15 +90,17 @@ class Scheduler:
             self.block_manager.cache_full_blocks(req, hit + n)  # later admissions of this step may hit them
             scheduled.append(req)
             budget -= n
+        if self.policy is not None and not decoding:
+            k = self._num_spec_tokens(scheduled)
         self._scheduled = scheduled
         finished, self._finished_ids = self._finished_ids, []
         return StepPlan(rows=rows, num_spec_tokens=k, finished_request_ids=finished)
 
-    def _num_spec_tokens(self) -> int:
+    def _num_spec_tokens(self, requests: list[Request]) -> int:
         if self.policy is not None:
             return self.policy.choose([RunningRow(r.request_id, r.num_tokens, r.num_tokens - r.num_computed_tokens)
-                                       for r in self.running])
-        return self.spec.num_tokens_for_batch(len(self.running)) if self.spec.enabled else 0
+                                       for r in requests])
+        return self.spec.num_tokens_for_batch(len(requests)) if self.spec.enabled else 0
 
     def _drafts(self, req: Request, k: int, budget: int) -> list[int]:
         """The drafts a decode row verifies: at most K, the budget, and what max_tokens/max_model_len allow."""

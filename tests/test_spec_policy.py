@@ -514,3 +514,20 @@ def test_policy_metrics_reach_prometheus():
     assert values("tandem:spec_policy_realised_emitted_tokens_total")[0] >= 40
     assert values("tandem:spec_policy_predicted_emitted_tokens_total")[0] > 0
     assert values("tandem:spec_policy_target_cost_per_token_seconds")[0] > 0, "fitted target cost not exported"
+
+
+def test_a_step_of_only_new_rows_chooses_k_seeing_them(tiny_checkpoints, monkeypatch):
+    """K is chosen before the step's rows are scheduled, except on a step with no decode row (a new batch): there
+    the policy sees the rows admitted this step, not an empty running list (which fell back to the K the last
+    batch's tail ended on, and proposed drafts the next step discarded)."""
+    seen: list[list[int]] = []
+
+    class Recording(SpecPolicy):
+        def choose(self, running: list[RunningRow]) -> int:
+            seen.append([r.num_new_tokens for r in running])
+            return super().choose(running)
+
+    monkeypatch.setattr("tandem.engine.llm_engine.SpecPolicy", lambda k, **kw: Recording(k, **kw))
+    _engine_run(tiny_checkpoints("deepseek_v3", num_mtp_layers=1), speculative_config={"method": "mtp", **AUTO})
+    assert seen and all(seen), f"a step chose K seeing no row: {seen[:4]}"
+    assert all(n > 1 for n in seen[0]), f"the first step's rows are the admitted prompts: {seen[0]}"

@@ -141,6 +141,10 @@ def test_a_new_batch_is_weighed_by_its_own_size_not_the_last_tail():
     assert tail[-1] >= 1, f"the one-row tail should draft: {tail[-20:]}"
     prompts = [RunningRow(f"new{i}", 120, 120) for i in range(16)]
     assert policy.choose(prompts) == world.best_k(16)
+    # a new batch after prefix hits: some rows have one token left, and none verifies drafts this step
+    policy.choose([RunningRow("tail", 300, 1)])  # the tail drafts again
+    hits = [RunningRow(f"hit{i}", 120, 1 if i % 2 else 9) for i in range(16)]
+    assert policy.choose(hits, new_batch=True) == world.best_k(16)
 
 
 def test_the_clear_cases_cover_every_regime():
@@ -223,7 +227,7 @@ class _FixedK(SpecPolicy):
         super().__init__(K_MAX)
         self.k = k
 
-    def choose(self, running: list[RunningRow]) -> int:
+    def choose(self, running: list[RunningRow], new_batch: bool = False) -> int:
         return self.k
 
 
@@ -418,8 +422,8 @@ class _Restless(SpecPolicy):
         super().__init__(max_k, explore_after=2, **kwargs)
         self.ks: list[int] = []
 
-    def choose(self, running: list[RunningRow]) -> int:
-        k = super().choose(running)
+    def choose(self, running: list[RunningRow], new_batch: bool = False) -> int:
+        k = super().choose(running, new_batch)
         if len(self.ks) % 3 == 2:
             k = (k + 1 + (len(self.ks) // 3) % self.max_k) % (self.max_k + 1)
         self.ks.append(k)
@@ -523,9 +527,9 @@ def test_a_step_of_only_new_rows_chooses_k_seeing_them(tiny_checkpoints, monkeyp
     seen: list[list[int]] = []
 
     class Recording(SpecPolicy):
-        def choose(self, running: list[RunningRow]) -> int:
+        def choose(self, running: list[RunningRow], new_batch: bool = False) -> int:
             seen.append([r.num_new_tokens for r in running])
-            return super().choose(running)
+            return super().choose(running, new_batch)
 
     monkeypatch.setattr("tandem.engine.llm_engine.SpecPolicy", lambda k, **kw: Recording(k, **kw))
     _engine_run(tiny_checkpoints("deepseek_v3", num_mtp_layers=1), speculative_config={"method": "mtp", **AUTO})

@@ -91,15 +91,15 @@ class Scheduler:
             scheduled.append(req)
             budget -= n
         if self.policy is not None and not decoding:
-            k = self._num_spec_tokens(scheduled)
+            k = self._num_spec_tokens(scheduled, new_batch=True)
         self._scheduled = scheduled
         finished, self._finished_ids = self._finished_ids, []
         return StepPlan(rows=rows, num_spec_tokens=k, finished_request_ids=finished)
 
-    def _num_spec_tokens(self, requests: list[Request]) -> int:
+    def _num_spec_tokens(self, requests: list[Request], new_batch: bool = False) -> int:
         if self.policy is not None:
             return self.policy.choose([RunningRow(r.request_id, r.num_tokens, r.num_tokens - r.num_computed_tokens)
-                                       for r in requests])
+                                       for r in requests], new_batch)
         return self.spec.num_tokens_for_batch(len(requests)) if self.spec.enabled else 0
 
     def _drafts(self, req: Request, k: int, budget: int) -> list[int]:

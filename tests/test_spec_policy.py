@@ -535,3 +535,18 @@ def test_a_step_of_only_new_rows_chooses_k_seeing_them(tiny_checkpoints, monkeyp
     _engine_run(tiny_checkpoints("deepseek_v3", num_mtp_layers=1), speculative_config={"method": "mtp", **AUTO})
     assert seen and all(seen), f"a step chose K seeing no row: {seen[:4]}"
     assert all(n > 1 for n in seen[0]), f"the first step's rows are the admitted prompts: {seen[0]}"
+
+
+def test_a_few_row_tail_that_drafts_keeps_the_full_batches_back_off():
+    """Batches of 16 rows where drafting never pays, each ending in a 1-row tail where it does: the tails draft, and
+    the full batches explore less and less (the back-off is not restarted by a tail's few rows)."""
+    world = World(0.5)
+    assert world.best_k(1) >= 1 and world.best_k(16) == 0
+    policy = SpecPolicy(K_MAX)
+    explorations = []
+    for cycle in range(8):
+        full = Simulation(policy, 16, seed=10 + cycle).run(world, 64)
+        explorations.append(sum(k > 0 for k in full[8:]))  # past the first steps, where the costs are being fitted
+        tail = Simulation(policy, 1, seed=50 + cycle).run(world, 12)
+        assert max(tail[4:]) >= 1, f"the tail should draft: {tail}"
+    assert sum(explorations[4:]) <= 2 and explorations[0] >= 2, f"drafting steps of each full batch: {explorations}"

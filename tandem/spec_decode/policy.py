@@ -10,6 +10,8 @@ at K = 0 to the next step that drafts (mtp_catch_up.py). The draft model prices 
 Acceptance is observed only while drafting, so after `explore_after` steps at K = 0 the policy drafts at K = 1
 for two steps (one proposes, the next verifies) to refresh it; each exploration that does not switch drafting back
 on doubles the wait (up to `max_explore_after`), so a drafter that never pays costs two cheap steps in that many.
+Drafting that pays ends the back-off only at no fewer rows than that exploration had (a batch's few-row tail,
+where drafting is cheap, does not restart it for the next full batch).
 A switch of K discards the pending drafts, so K changes only for a gain above `switch_margin`.
 Rank 0 only, no torch: the scheduler asks `choose`, the engine reports each step with `record_step`.
 """
@@ -47,6 +49,7 @@ class SpecPolicy:
         self.draft = LinearCostModel(DRAFT_TERMS)
         self.base_explore_after, self.max_explore_after = explore_after, max_explore_after
         self.explore_after = explore_after
+        self._explored_rows = 0  # rows of the last exploration that switched nothing back on
         self.steps_at_zero = 0
         self.chosen = np.zeros(max_k + 1, dtype=np.int64)  # histogram of chosen K
         self.predicted_emitted = 0.0  # summed over the steps it chose for
@@ -75,7 +78,7 @@ class SpecPolicy:
             k = self.max_k - int(self.chosen.sum()) % (self.max_k + 1)  # not seeded yet: sweep K to fit costs
             return self._commit(k, float(emitted[k]))
         rate = emitted / np.maximum(seconds, 1e-9)
-        best = int(np.argmax(rate))
+        best = argmax = int(np.argmax(rate))
         if rate[best] < (1 + self.switch_margin) * rate[self._last_k]:
             best = self._last_k  # a switch discards the pending drafts: only a clear gain is worth it
         if self._explore_left:
@@ -86,9 +89,15 @@ class SpecPolicy:
             if self.steps_at_zero >= self.explore_after:  # acceptance is stale: draft two steps to refresh it
                 self.steps_at_zero, self._explore_left = 0, 1
                 self.explore_after = min(2 * self.explore_after, self.max_explore_after)
+                self._explored_rows = len(running)
                 best = 1
-        else:
-            self.steps_at_zero, self.explore_after = 0, self.base_explore_after  # drafting pays
+        else:  # drafting pays, and refreshes the acceptance estimates as it goes
+            self.steps_at_zero = 0
+            if argmax > 0 and len(running) >= self._explored_rows:
+                # best outright (not only kept by the switch margin) at no fewer rows than the exploration that
+                # found it did not pay: the back-off ends. A batch's tail (a few rows, where drafting is cheap)
+                # keeps it, or every batch would explore afresh at 16 steps
+                self.explore_after = self.base_explore_after
         return self._commit(best, float(emitted[best]))
 
     def expected(self, running: list[RunningRow]) -> tuple[np.ndarray, np.ndarray]:

@@ -21,6 +21,7 @@ from tandem.config import ConfigError, ModelConfig, SpeculativeConfig
 from tandem.engine.step_plan import RowSampling, ScheduledRow, StepOutput, StepPlan
 from tandem.spec_decode.acceptance import PositionRates, expected_lengths
 from tandem.spec_decode.cost_model import (
+    DRAFT_TERMS,
     TARGET_TERMS,
     LinearCostModel,
     StepShape,
@@ -29,7 +30,7 @@ from tandem.spec_decode.cost_model import (
     fit_prefill_terms,
     predict_draft_prefill_s,
 )
-from tandem.spec_decode.policy import RunningRow, SpecPolicy
+from tandem.spec_decode.policy import RunningRow, SpecPolicy, step_shape
 
 GREEDY = RowSampling(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, num_logprobs=None)
 K_MAX = 4
@@ -550,3 +551,22 @@ def test_a_few_row_tail_that_drafts_keeps_the_full_batches_back_off():
         tail = Simulation(policy, 1, seed=50 + cycle).run(world, 12)
         assert max(tail[4:]) >= 1, f"the tail should draft: {tail}"
     assert sum(explorations[4:]) <= 2 and explorations[0] >= 2, f"drafting steps of each full batch: {explorations}"
+
+
+def test_a_catch_up_is_charged_to_step0_tokens_not_to_drafting():
+    """After K = 0 steps MTP's first drafting step also runs step 0 over the deferred tokens; the draft cost model
+    learns that as step-0 work per token (the catch-up's size comes with the step's draft stats), so drafting
+    itself is not fitted as expensive (which would keep "auto" at K = 0 where drafting pays)."""
+    policy = SpecPolicy(K_MAX, defers_step0=True)
+    rows = [ScheduledRow(f"r{i}", [0, 0], 99, [], False, GREEDY, num_draft_tokens=1) for i in range(4)]
+    plan = StepPlan(rows, num_spec_tokens=1)
+    plain = StepOutput([[0, 0]] * 4, [None] * 4, [[0]] * 4)
+    caught = StepOutput([[0, 0]] * 4, [None] * 4, [[0]] * 4, {"catch_up_tokens": 64.0, "catch_up_keys": 6400.0})
+    base = step_shape(plan, plain).draft_features(1)
+    seen = []
+    policy.draft.observe = lambda features, seconds: seen.append(features)  # type: ignore[method-assign]
+    policy.record_step(plan, plain, 0.05, 0.01)
+    policy.record_step(plan, caught, 0.05, 0.03)
+    assert np.array_equal(seen[0], base)
+    tokens, keys = DRAFT_TERMS.index("per_token"), DRAFT_TERMS.index("per_token_context")
+    assert seen[1][tokens] == base[tokens] + 64 and seen[1][keys] == base[keys] + 6400

@@ -76,6 +76,14 @@ class RowExtension:
     hidden: torch.Tensor  # [T + D, H] target hidden states
     attn_metadata: AttentionMetadata
     offsets: np.ndarray  # [R] deferred tokens prepended at or before row i (a token of row i moves by offsets[i])
+    num_keys: float = 0.0  # keys the prepended tokens attend to in all (causal), for the policy's cost model
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """The catch-up's size, reported with the proposal so "auto" charges its cost to step 0's tokens (not to
+        drafting itself, which would make every exploration after a run of K = 0 look expensive)."""
+        return {"catch_up_tokens": float(self.offsets[-1]) if len(self.offsets) else 0.0,
+                "catch_up_keys": self.num_keys}
 
     def sample_index(self, row: int, index: int) -> int:
         """Where token `index` of the original batch, in batch row `row`, sits in the extended batch."""
@@ -129,6 +137,7 @@ class DeferredStep0:
         if all(p is None for p in pieces):
             return None
         ids, pos, states, slots, counts = [], [], [], [], np.zeros(len(plan.rows), dtype=np.int64)
+        keys = 0.0
         device = batch.input_ids.device
         for i, piece in enumerate(pieces):
             a, b = int(qsl[i]), int(qsl[i + 1])
@@ -140,6 +149,7 @@ class DeferredStep0:
                 slots.append(batch.block_table[i].long()[p // self.block_size] * self.block_size
                              + p % self.block_size)
                 counts[i] = piece.num_tokens
+                keys += piece.num_tokens * piece.start + piece.num_tokens * (piece.num_tokens + 1) / 2
             ids.append(shifted[a:b])
             pos.append(batch.positions[a:b])
             states.append(hidden[a:b])
@@ -156,5 +166,5 @@ class DeferredStep0:
                               batch.sample_rows, batch.num_draft_tokens, batch.logits_indices,
                               batch.draft_token_ids, batch.sampling, batch.num_padding)
         return RowExtension(extended.input_ids, extended.positions, torch.cat(states),
-                            global_attention_metadata(extended, self.block_size), offsets)
+                            global_attention_metadata(extended, self.block_size), offsets, keys)
 

@@ -88,8 +88,9 @@ class MTPProposer:
         else:
             with forward_context(step.pcp.global_metadata(batch, step.local), self.backends):
                 h_logits, h_feedback = self.mtp(shifted, batch.positions, step.global_hidden(), 0)  # [T, H] each
+        stats = extension.stats if extension is not None else {}
         if k == 0 or not last_idx:
-            return Proposal([[] for _ in last_idx])  # step 0 only kept the MTP layer's KV up to date
+            return Proposal([[] for _ in last_idx], stats=stats)  # step 0 only kept the MTP layer's KV up to date
         if self.sharded and extension is None:  # only the S rows that draft cross ranks
             h_logits = step.pcp.maybe_restore_rows(h_logits, last_idx)
             feedback = step.pcp.maybe_restore_rows(h_feedback, last_idx)
@@ -114,7 +115,7 @@ class MTPProposer:
             drafts.append(tokens)
             draft_probs.append(probs)
         token_ids, q = pack_drafts(drafts, draft_probs, self.probabilistic)
-        return Proposal(token_ids, q)
+        return Proposal(token_ids, q, stats)
 
     def _pad_decode(self, ids: torch.Tensor, positions: torch.Tensor, feedback: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -18,6 +18,7 @@ Rank 0 only, no torch: the scheduler asks `choose`, the engine reports each step
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -139,7 +140,11 @@ class SpecPolicy:
         shape = step_shape(plan, output)
         self.target.observe(shape.target_features(), max(step_s - draft_s, 0.0))
         step0 = self._runs_step0(plan.num_spec_tokens, any(row.is_prefill for row in plan.rows))
-        self.draft.observe(shape.draft_features(plan.num_spec_tokens, step0), draft_s)
+        # MTP's catch-up ran step 0 over deferred tokens too: they are step-0 tokens of this step's draft pass
+        caught_up = output.draft_stats.get("catch_up_tokens", 0.0)
+        draft_shape = dataclasses.replace(shape, num_tokens=shape.num_tokens + round(caught_up),
+                                          num_keys=shape.num_keys + output.draft_stats.get("catch_up_keys", 0.0))
+        self.draft.observe(draft_shape.draft_features(plan.num_spec_tokens, step0), draft_s)
         sampling_rows = [row for row in plan.rows if row.sampling is not None]
         if learn_acceptance:
             for s, row in enumerate(sampling_rows):

@@ -127,8 +127,9 @@ def test_a_step_of_only_new_requests_proposes_at_the_k_that_paid_last():
     world = World(0.9)
     policy = SpecPolicy(K_MAX)
     Simulation(policy, 1, seed=1).run(world, 200)
-    assert policy.choose([]) == world.best_k(1) == K_MAX
-    assert policy.choose([RunningRow("prompt", 900, 500)]) == K_MAX, "a prompt chunk alone says nothing about K"
+    assert policy.choose([], new_batch=True) == world.best_k(1) == K_MAX
+    assert policy.choose([RunningRow("prompt", 900, 500)], new_batch=True) == K_MAX, \
+        "a prompt chunk alone says nothing about K"
 
 
 def test_a_new_batch_is_weighed_by_its_own_size_not_the_last_tail():
@@ -141,7 +142,7 @@ def test_a_new_batch_is_weighed_by_its_own_size_not_the_last_tail():
     tail = Simulation(policy, 1, seed=8).run(world, 300)
     assert tail[-1] >= 1, f"the one-row tail should draft: {tail[-20:]}"
     prompts = [RunningRow(f"new{i}", 120, 120) for i in range(16)]
-    assert policy.choose(prompts) == world.best_k(16)
+    assert policy.choose(prompts, new_batch=True) == world.best_k(16)
     # a new batch after prefix hits: some rows have one token left, and none verifies drafts this step
     policy.choose([RunningRow("tail", 300, 1)])  # the tail drafts again
     hits = [RunningRow(f"hit{i}", 120, 1 if i % 2 else 9) for i in range(16)]

@@ -26,6 +26,7 @@ import torch
 
 from tandem.attention.metadata import AttentionMetadata
 from tandem.engine.step_plan import StepPlan
+from tandem.spec_decode.cost_model import attended_keys
 from tandem.worker.input_batch import InputBatch, global_attention_metadata
 
 MAX_DEFERRED_TOKENS = 256  # a request's deferred hidden states, each [H]: bounded memory, a bounded catch-up
@@ -149,7 +150,7 @@ class DeferredStep0:
                 slots.append(batch.block_table[i].long()[p // self.block_size] * self.block_size
                              + p % self.block_size)
                 counts[i] = piece.num_tokens
-                keys += piece.num_tokens * piece.start + piece.num_tokens * (piece.num_tokens + 1) / 2
+                keys += attended_keys(piece.num_tokens, piece.start)
             ids.append(shifted[a:b])
             pos.append(batch.positions[a:b])
             states.append(hidden[a:b])

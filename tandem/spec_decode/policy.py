@@ -61,10 +61,10 @@ class SpecPolicy:
 
     # -- choosing ------------------------------------------------------------------------------------------------
     def choose(self, running: list[RunningRow], new_batch: bool = False) -> int:
-        """`new_batch`: no row verifies drafts this step (the scheduler found no decode row before admitting these),
-        so K only sets the drafts they propose at its end: weighed as below, even for rows a prefix hit left with
-        one token to compute."""
-        if new_batch or all(r.num_new_tokens > 1 for r in running):
+        """`new_batch`: no row verifies drafts this step (the scheduler found no decode row running before it
+        admitted these), so K only sets the drafts they propose at its end: weighed as below, even for rows a prefix
+        hit left with one token to compute (which the rows alone cannot tell from decodes)."""
+        if new_batch:
             # only admissions and prompt chunks (a new batch): the drafts proposed now are verified by the decode
             # step these rows make next, so weigh K by that step (new requests at the global acceptance estimate),
             # not by the K the last batch's tail paid for (a 32-row batch inherited K = 3 from a 2-row tail).

@@ -2,11 +2,15 @@
 alternating rounds (ABBA...), so the shared machine's drift hits both sides alike; prints median and best tok/s of
 each side and whether the tokens are identical.
 
-    python benchmarks/fast_paths.py --path cascade|dense-moe [--spec JSON] [--batch 32] [--reps 4] [--max-tokens 96]
-        [--fresh]
+    python benchmarks/fast_paths.py --path cascade|dense-moe|gqa-head-major|bf16-pack [--model PATH] [--dtype float32]
+        [--spec JSON] [--batch 32] [--reps 4] [--max-tokens 96] [--fresh] [--zero-shot] [--threads 1]
 
 `cascade`: attention over a prefix every short row shares, once for all rows (metadata.CASCADE_MIN_KEYS).
 `dense-moe`: every local expert over every token when experts are few (FusedMoE._dense_pays).
+`gqa-head-major`: bf16/fp16 few-query GQA attention as matmuls over a head-major K/V copy (prefix.HEAD_MAJOR_DTYPES)
+instead of CPU SDPA. `bf16-pack`: bf16 weights packed from cpu_gemm.BF16_PACK_MIN_ELEMENTS on, one row included,
+where the CPU has bf16 dot products; off is float32's rule (PACK_MIN_ELEMENTS, F.linear for one row).
+`--zero-shot`: the bare GSM8K questions of `tandem bench offline` instead (no shared prefix, so no cascade).
 Prompts: 5-shot GSM8K test questions (benchmarks/spec_decode.py's), so the rows share the cached 5-shot prefix;
 greedy, `ignore_eos`, one torch thread. By default every round reruns the same prompts (after the warm-up the whole
 prompts are cached, so the rounds time decoding); `--fresh` gives every run new questions behind the same cached
@@ -29,7 +33,9 @@ import torch
 from tandem import LLM, SamplingParams
 from tandem.assets import DEFAULT_MODEL
 from tandem.attention import metadata
-from tandem.layers import moe
+from tandem.attention.backends import prefix
+from tandem.bench.prompts import bench_prompts
+from tandem.layers import cpu_gemm, moe
 
 sys.path.insert(0, str(Path(__file__).parent))
 from spec_decode import prompts  # noqa: E402
@@ -38,26 +44,38 @@ from spec_decode import prompts  # noqa: E402
 def switch(path: str, on: bool, saved: dict[str, Any]) -> None:
     if path == "cascade":
         metadata.CASCADE_MIN_KEYS = saved["cascade"] if on else 10**9
-    else:
+    elif path == "dense-moe":
         moe.FusedMoE._dense_pays = saved["dense"] if on else (lambda self, t, k: False)  # type: ignore[method-assign]
+    elif path == "gqa-head-major":
+        prefix.HEAD_MAJOR_DTYPES = saved["head_major"] if on else ()
+    else:  # bf16-pack: off unpacks what float32's rule would not have packed
+        cpu_gemm._CPU_HAS_BF16_DOT = saved["bf16_dot"] if on else False
+        for module, packed in saved["packed"]:
+            module.packed_weight = packed if on or module.weight.numel() >= cpu_gemm.PACK_MIN_ELEMENTS else None
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--path", choices=["cascade", "dense-moe"], required=True)
+    p.add_argument("--path", choices=["cascade", "dense-moe", "gqa-head-major", "bf16-pack"], required=True)
     p.add_argument("--model", default=str(DEFAULT_MODEL))
     p.add_argument("--spec", default=None, help="speculative_config as JSON")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--reps", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--fresh", action="store_true", help="new questions every run (each run prefills them)")
+    p.add_argument("--zero-shot", action="store_true", help="bare questions (tandem bench offline's prompts)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
-    saved = {"cascade": metadata.CASCADE_MIN_KEYS, "dense": moe.FusedMoE._dense_pays}
-    llm = LLM(args.model, speculative_config=json.loads(args.spec) if args.spec else None)
-    torch.set_num_threads(1)
+    llm = LLM(args.model, dtype=args.dtype, speculative_config=json.loads(args.spec) if args.spec else None)
+    torch.set_num_threads(args.threads)
+    model = llm.engine.executor.runner.model
+    saved = {"cascade": metadata.CASCADE_MIN_KEYS, "dense": moe.FusedMoE._dense_pays,
+             "head_major": prefix.HEAD_MAJOR_DTYPES, "bf16_dot": cpu_gemm._CPU_HAS_BF16_DOT,
+             "packed": [(m, m.packed_weight) for m in model.modules() if hasattr(m, "packed_weight")]}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     runs = 2 * args.reps + 2 if args.fresh else 1
-    pool = prompts(args.batch * runs)
+    pool = bench_prompts(args.batch * runs) if args.zero_shot else prompts(args.batch * runs)
     batches = iter([pool[i * args.batch:(i + 1) * args.batch] for i in range(runs)])
     batch = next(batches)
     llm.generate(batch, params, use_tqdm=False)  # warm-up; caches the shared prefix
@@ -80,8 +98,8 @@ def main() -> None:
     switch(args.path, True, saved)
     for on in (True, False):
         v = speeds[on]
-        print(f"{args.path} {'on ' if on else 'off'} spec={args.spec or 'none'} batch={args.batch}: median "
-              f"{statistics.median(v):.1f} tok/s, best {max(v):.1f} (rounds {[round(x, 1) for x in v]})")
+        print(f"{args.path} {'on ' if on else 'off'} {args.dtype} spec={args.spec or 'none'} batch={args.batch}: "
+              f"median {statistics.median(v):.1f} tok/s, best {max(v):.1f} (rounds {[round(x, 1) for x in v]})")
     print(f"on / off (medians): {statistics.median(speeds[True]) / statistics.median(speeds[False]):.2f}x; "
           f"identical tokens: {tokens[True] == tokens[False]}")
     llm.shutdown()

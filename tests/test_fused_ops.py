@@ -69,3 +69,48 @@ def test_interleaved_rotary_complex_path_is_the_real_formula() -> None:
         assert torch.equal(y, rope._rotate(x, cos, sin))
     odd = torch.randn(37, 4, 65, generator=gen)[..., 1:]  # odd offset: no complex view, the real formula
     assert torch.equal(rope(positions, odd)[0], rope._rotate(odd, cos, sin))
+
+
+@pytest.mark.parametrize("queries", [1, 4])
+def test_bf16_gqa_head_major_matmuls_are_as_close_as_sdpa(queries: int) -> None:
+    """The bf16 few-query GQA path (matmuls over a head-major K/V copy) against float64: masked keys get no weight,
+    and its error is of SDPA's order (both round to bf16; the matmul path rounds the scores too)."""
+    from tandem.attention.backends import prefix
+
+    assert torch.bfloat16 in prefix.HEAD_MAJOR_DTYPES
+    gen = torch.Generator().manual_seed(queries)
+    G, S, hkv, r, D = 5, 40, 3, 3, 64
+    q = torch.randn(G, queries, hkv * r, D, generator=gen).bfloat16()
+    k = torch.randn(G, S, hkv, D, generator=gen).bfloat16()
+    v = torch.randn(G, S, hkv, D, generator=gen).bfloat16()
+    lengths = torch.tensor([40, 7, 23, 1 + queries, 31])  # rows padded to S keys; the last `queries` keys are new
+    pos = torch.arange(S)
+    own = lengths[:, None, None] - queries + torch.arange(queries)[None, :, None]  # [G, Q, 1]: each query's last key
+    mask = (pos[None, None, :] <= own)[:, None]  # [G, 1, Q, S], True = attended
+    got = prefix.grouped_sdpa(q, k, v, mask, D**-0.5, ~mask)
+    prefix.HEAD_MAJOR_DTYPES, saved = (), prefix.HEAD_MAJOR_DTYPES
+    try:
+        sdpa = prefix.grouped_sdpa(q, k, v, mask, D**-0.5, ~mask)
+    finally:
+        prefix.HEAD_MAJOR_DTYPES = saved
+    ref = prefix.grouped_sdpa(q.double(), k.double(), v.double(), mask, D**-0.5, ~mask)
+    assert got.dtype == torch.bfloat16 and got.shape == (G, queries, hkv * r, D)
+    err, sdpa_err = (got.double() - ref).abs().max().item(), (sdpa.double() - ref).abs().max().item()
+    assert err < 0.05 and err < 4 * sdpa_err + 1e-3, f"head-major {err:.4f} vs SDPA {sdpa_err:.4f}"
+    k2 = k.clone()
+    k2[1, 7:] = 1e4  # keys past row 1's length: masked, so they change nothing
+    assert torch.equal(prefix.grouped_sdpa(q, k2, v, mask, D**-0.5, ~mask)[1], got[1])
+
+
+def test_bf16_packs_small_weights_only_with_bf16_dot_products() -> None:
+    from tandem.layers import cpu_gemm
+
+    w = (torch.randn(576, 576) / 24).bfloat16()  # under PACK_MIN_ELEMENTS: float32's rule leaves it unpacked
+    packed = cpu_gemm.prepack(w)
+    native = cpu_gemm._CPU_HAS_BF16_DOT and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert (packed is not None) == native, "a small bf16 weight packs exactly where the CPU has bf16 dot products"
+    assert cpu_gemm.prepack(w.float()) is None
+    for rows in (1, 3, 32):
+        x = torch.randn(rows, 576).bfloat16()
+        got = cpu_gemm.linear(x, w, None, packed)
+        torch.testing.assert_close(got.float(), F.linear(x.float(), w.float()), rtol=2e-2, atol=2e-2)

@@ -11,7 +11,7 @@ Eager mode packs every linear weight; compiled mode (whose freezing packs the pi
 which runs outside them. The plain weight stays where it was (tied embeddings, MLA's absorbed kv_b and the compiled
 pieces read it), so the packed copy is extra memory: about the model's linear weights once more in eager mode.
 bfloat16 packs only where oneDNN has a bf16 path on this CPU (avx512bw/vl/dq or avx_ne_convert); elsewhere, and
-for other dtypes, the layer keeps F.linear.
+for other dtypes, the layer keeps F.linear. Where it packs, it packs from BF16_PACK_MIN_ELEMENTS on, one row included.
 
 A packed call costs ~50 us of fixed dispatch, so small GEMMs stay on F.linear (benchmarks/cpu_gemm.py measures
 both over weight shapes x rows): weights under PACK_MIN_ELEMENTS are not packed (the bundled model's 256-wide
@@ -31,6 +31,10 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 DECODE_ROWS_HINT = 32  # the rows oneDNN blocks a packed weight for; any row count runs on it
 PACK_MIN_ELEMENTS = 1 << 19  # 2 MiB of float32: below it F.linear wins at decode row counts
 ANY_ROWS_ELEMENTS = 3 << 19  # from here the packed weight wins at one row too
+# bfloat16 on a CPU with bf16 dot products: the packed GEMM won at every shape and row count measured, one row
+# included (AMD EPYC, avx512_bf16: [576, 576] at 1 / 32 rows 83 -> 44 / 121 -> 106 us, [128, 256] 29 -> 24 us)
+BF16_PACK_MIN_ELEMENTS = 1 << 15
+_CPU_HAS_BF16_DOT = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -38,15 +42,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """x: [..., K]; weight: [N, K] -> [..., N]. `packed`: the weight in oneDNN's layout (prepack), or None."""
     if packed is None or torch.compiler.is_compiling():  # the compiler packs (freezing) what it compiles
         return F.linear(x, weight, bias)
-    if x.numel() == x.shape[-1] and weight.numel() < ANY_ROWS_ELEMENTS:  # one row: a gemv
+    if x.numel() == x.shape[-1] and weight.numel() < ANY_ROWS_ELEMENTS and not _native_bf16(weight.dtype):  # a gemv
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def _native_bf16(dtype: torch.dtype) -> bool:
+    """bfloat16 on a CPU with bf16 dot products (avx512_bf16 or AMX), where oneDNN's bf16 GEMM is native."""
+    return dtype == torch.bfloat16 and _CPU_HAS_BF16_DOT
+
+
 def prepack(weight: torch.Tensor) -> torch.Tensor | None:
     """weight [N, K] -> the same in oneDNN's blocked layout, or None where oneDNN cannot run it here."""
+    min_elements = BF16_PACK_MIN_ELEMENTS if _native_bf16(weight.dtype) else PACK_MIN_ELEMENTS
     if weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES or weight.dim() != 2 \
-            or weight.numel() < PACK_MIN_ELEMENTS or not torch.backends.mkldnn.is_available():
+            or weight.numel() < min_elements or not torch.backends.mkldnn.is_available():
         return None
     if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return None

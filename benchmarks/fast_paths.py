@@ -2,11 +2,13 @@
 alternating rounds (ABBA...), so the shared machine's drift hits both sides alike; prints median and best tok/s of
 each side and whether the tokens are identical.
 
-    python benchmarks/fast_paths.py --path cascade|dense-moe|gqa-head-major|bf16-pack [--model PATH] [--dtype float32]
-        [--spec JSON] [--batch 32] [--reps 4] [--max-tokens 96] [--fresh] [--zero-shot] [--threads 1]
+    python benchmarks/fast_paths.py --path cascade|dense-moe|bf16-small-mm|gqa-head-major|bf16-pack
+        [--model PATH] [--dtype float32] [--spec JSON] [--batch 32] [--reps 4] [--max-tokens 96] [--fresh]
+        [--zero-shot] [--threads 1]
 
 `cascade`: attention over a prefix every short row shares, once for all rows (metadata.CASCADE_MIN_KEYS).
 `dense-moe`: every local expert over every token when experts are few (FusedMoE._dense_pays).
+`bf16-small-mm`: a batch-of-one attention matmul in bf16/fp16 as one 2-D mm (prefix.small_matmul).
 `gqa-head-major`: bf16/fp16 few-query GQA attention as matmuls over a head-major K/V copy (prefix.HEAD_MAJOR_DTYPES)
 instead of CPU SDPA. `bf16-pack`: bf16 weights packed from cpu_gemm.BF16_PACK_MIN_ELEMENTS on, one row included,
 where the CPU has bf16 dot products; off is float32's rule (PACK_MIN_ELEMENTS, F.linear for one row).
@@ -46,6 +48,8 @@ def switch(path: str, on: bool, saved: dict[str, Any]) -> None:
         metadata.CASCADE_MIN_KEYS = saved["cascade"] if on else 10**9
     elif path == "dense-moe":
         moe.FusedMoE._dense_pays = saved["dense"] if on else (lambda self, t, k: False)  # type: ignore[method-assign]
+    elif path == "bf16-small-mm":  # off: torch.matmul for every attention matmul
+        prefix.small_matmul = saved["small_mm"] if on else torch.matmul
     elif path == "gqa-head-major":
         prefix.HEAD_MAJOR_DTYPES = saved["head_major"] if on else ()
     else:  # bf16-pack: off unpacks what float32's rule would not have packed
@@ -56,7 +60,8 @@ def switch(path: str, on: bool, saved: dict[str, Any]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--path", choices=["cascade", "dense-moe", "gqa-head-major", "bf16-pack"], required=True)
+    p.add_argument("--path", required=True,
+                   choices=["cascade", "dense-moe", "bf16-small-mm", "gqa-head-major", "bf16-pack"])
     p.add_argument("--model", default=str(DEFAULT_MODEL))
     p.add_argument("--spec", default=None, help="speculative_config as JSON")
     p.add_argument("--batch", type=int, default=32)
@@ -71,7 +76,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = llm.engine.executor.runner.model
     saved = {"cascade": metadata.CASCADE_MIN_KEYS, "dense": moe.FusedMoE._dense_pays,
-             "head_major": prefix.HEAD_MAJOR_DTYPES, "bf16_dot": cpu_gemm._CPU_HAS_BF16_DOT,
+             "head_major": prefix.HEAD_MAJOR_DTYPES,
+             "bf16_dot": cpu_gemm._CPU_HAS_BF16_DOT, "small_mm": prefix.small_matmul,
              "packed": [(m, m.packed_weight) for m in model.modules() if hasattr(m, "packed_weight")]}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     runs = 2 * args.reps + 2 if args.fresh else 1

@@ -114,3 +114,25 @@ def test_bf16_packs_small_weights_only_with_bf16_dot_products() -> None:
         x = torch.randn(rows, 576).bfloat16()
         got = cpu_gemm.linear(x, w, None, packed)
         torch.testing.assert_close(got.float(), F.linear(x.float(), w.float()), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_matmul_equals_matmul(dtype: torch.dtype) -> None:
+    """A batch of one as a 2-D mm (bf16) reads the cache's transposed keys in place; shapes and values are matmul's."""
+    from tandem.attention.backends.prefix import small_matmul
+
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 1, 16, 576, generator=gen).to(dtype)  # [G, Hkv, r * Q, D]
+    cache = torch.randn(300, 1, 576, generator=gen).to(dtype)  # [slots, Hkv, D]
+    keys = cache[40:240].permute(1, 2, 0)[None]  # [1, 1, D, S], a strided view of the cache
+    probs = torch.randn(1, 16, 200, generator=gen).to(dtype)
+    for a, b in ((q, keys), (q[0], keys[0]), (probs, cache[40:240, :, :512].transpose(0, 1))):
+        got, ref = small_matmul(a, b), torch.matmul(a, b)
+        assert got.shape == ref.shape and got.dtype == dtype
+        if dtype == torch.float32:
+            assert torch.equal(got, ref), "float32 keeps torch.matmul"
+        else:
+            exact = torch.matmul(a.double(), b.double())
+            assert (got.double() - exact).abs().max() <= 2 * (ref.double() - exact).abs().max() + 1e-2
+    many = torch.randn(3, 1, 16, 576).to(dtype)  # a batch of three: torch.matmul
+    assert torch.equal(small_matmul(many, keys), torch.matmul(many, keys))

@@ -114,7 +114,7 @@ def in_place_row_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.
         values = [k[..., :dv] for k in keys]
     else:
         values = [v_flat[a: a + m] for a, m in row.runs] + [select_rows(v_flat, row.tail_slots)]
-    scores = torch.cat([torch.matmul(qf, k.to(q.dtype).permute(1, 2, 0)) for k in keys], dim=-1).mul_(scale)
+    scores = torch.cat([small_matmul(qf, k.to(q.dtype).permute(1, 2, 0)) for k in keys], dim=-1).mul_(scale)
     if n > 1:  # the row's own n tokens are the last n keys: query i sees the first i + 1 of them
         blocked = torch.ones(n, n, dtype=torch.bool, device=q.device).triu_(1)
         scores.view(hkv, r, n, -1)[..., -n:].masked_fill_(blocked, float("-inf"))
@@ -127,8 +127,13 @@ def in_place_row_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.
     out, off = None, 0
     for v in values:
         part = probs[..., off: off + v.shape[0]]
-        out = torch.matmul(part, v.to(q.dtype).transpose(0, 1)) if out is None else out.baddbmm_(
-            part, v.to(q.dtype).transpose(0, 1))
+        vt = v.to(q.dtype).transpose(0, 1)  # [Hkv, s, Dv]: the run's values
+        if out is None:
+            out = small_matmul(part, vt)
+        elif out.dtype == torch.float32:
+            out.baddbmm_(part, vt)
+        else:
+            out.add_(small_matmul(part, vt))
         off += v.shape[0]
     assert out is not None
     return unfold_heads(out, n), None if lse is None else unfold_heads(lse[..., None], n)[..., 0]
@@ -152,10 +157,10 @@ def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
         # at a few query rows (every query row sees at least one key, so no row is all -inf). With several KV
         # heads the matmuls would first copy K and V head-major; SDPA reads the strided views as they are
         # (SmolLM2, 32 decode rows x 122 keys x 3 KV heads: 1.93 -> 0.92 ms a layer).
-        scores = torch.matmul(qf, k.transpose(-1, -2)).mul_(scale)  # [G, 1, r * Q, S]
+        scores = small_matmul(qf, k.transpose(-1, -2)).mul_(scale)  # [G, 1, r * Q, S]
         if blocked is not None:  # the r heads of a KV head share the mask: broadcast it, no tiling
             scores.view(G, hkv, r, Q, -1).masked_fill_(blocked.unsqueeze(2), float("-inf"))
-        out = torch.matmul(scores.softmax(-1), v)
+        out = small_matmul(scores.softmax(-1), v)
     elif r * Q <= SMALL_QUERY_ROWS and q.dtype in HEAD_MAJOR_DTYPES and q.device.type == "cpu":
         # Several KV heads in bf16/fp16: CPU SDPA's flash kernel converts every block to float32 and pays its
         # tiling for a handful of query rows; one head-major copy of K and V and two batched matmuls cost less
@@ -185,6 +190,17 @@ def grouped_sdpa_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     lse = scores.logsumexp(-1)  # [G, Hkv, r * Q]
     out = torch.matmul((scores - lse[..., None]).exp().to(v.dtype), v.transpose(1, 2))
     return unfold_heads(out, Q), unfold_heads(lse[..., None], Q)[..., 0]
+
+
+def small_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.matmul(a, b) for a [..., M, K] and b [..., K, N]. A batch of one in bf16/fp16 on the CPU runs as one
+    2-D mm: the batched bf16 kernel copies a strided operand (the cache's keys, read transposed) on every call, the
+    2-D one reads it in place (MLA at batch 1, 1 x [4, 576] x [576, 1000]: 363 -> 92 us). float32 keeps matmul."""
+    if a.dtype == torch.float32 or a.device.type != "cpu" or a.dim() < 3 or a[..., 0, 0].numel() != 1 \
+            or b[..., 0, 0].numel() != 1:
+        return torch.matmul(a, b)
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    return torch.mm(a.reshape(a.shape[-2:]), b.reshape(b.shape[-2:])).view(*batch, a.shape[-2], b.shape[-1])
 
 
 def fold_heads(q: torch.Tensor, hkv: int) -> torch.Tensor:

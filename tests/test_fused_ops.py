@@ -79,11 +79,12 @@ def test_bf16_gqa_head_major_matmuls_are_as_close_as_sdpa(queries: int) -> None:
 
     assert torch.bfloat16 in prefix.HEAD_MAJOR_DTYPES
     gen = torch.Generator().manual_seed(queries)
-    G, S, hkv, r, D = 5, 40, 3, 3, 64
+    G, S, hkv, r, D = prefix.HEAD_MAJOR_MIN_ROWS, 40, 3, 3, 64  # the fewest rows the path takes
     q = torch.randn(G, queries, hkv * r, D, generator=gen).bfloat16()
     k = torch.randn(G, S, hkv, D, generator=gen).bfloat16()
     v = torch.randn(G, S, hkv, D, generator=gen).bfloat16()
-    lengths = torch.tensor([40, 7, 23, 1 + queries, 31])  # rows padded to S keys; the last `queries` keys are new
+    # rows padded to S keys (the last `queries` keys are new): one full row, row 1 of 7 keys, the rest at random
+    lengths = torch.cat([torch.tensor([40, 7]), torch.randint(1 + queries, S + 1, (G - 2,), generator=gen)])
     pos = torch.arange(S)
     own = lengths[:, None, None] - queries + torch.arange(queries)[None, :, None]  # [G, Q, 1]: each query's last key
     mask = (pos[None, None, :] <= own)[:, None]  # [G, 1, Q, S], True = attended
@@ -100,6 +101,9 @@ def test_bf16_gqa_head_major_matmuls_are_as_close_as_sdpa(queries: int) -> None:
     k2 = k.clone()
     k2[1, 7:] = 1e4  # keys past row 1's length: masked, so they change nothing
     assert torch.equal(prefix.grouped_sdpa(q, k2, v, mask, D**-0.5, ~mask)[1], got[1])
+    assert not torch.equal(got, sdpa), "the path was taken"
+    few = prefix.grouped_sdpa(q[:4], k[:4], v[:4], mask[:4], D**-0.5, ~mask[:4])  # under the row bound: SDPA
+    assert torch.equal(few, sdpa[:4])
 
 
 def test_bf16_packs_small_weights_only_with_bf16_dot_products() -> None:

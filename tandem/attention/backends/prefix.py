@@ -161,10 +161,12 @@ def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
         if blocked is not None:  # the r heads of a KV head share the mask: broadcast it, no tiling
             scores.view(G, hkv, r, Q, -1).masked_fill_(blocked.unsqueeze(2), float("-inf"))
         out = small_matmul(scores.softmax(-1), v)
-    elif r * Q <= SMALL_QUERY_ROWS and q.dtype in HEAD_MAJOR_DTYPES and q.device.type == "cpu":
-        # Several KV heads in bf16/fp16: CPU SDPA's flash kernel converts every block to float32 and pays its
-        # tiling for a handful of query rows; one head-major copy of K and V and two batched matmuls cost less
-        # (SmolLM2 bf16, 32 decode rows x 130 keys x 3 KV heads, avx512_bf16: 0.84 -> 0.67 ms a layer, copies in)
+    elif r * Q <= SMALL_QUERY_ROWS and G >= HEAD_MAJOR_MIN_ROWS and q.dtype in HEAD_MAJOR_DTYPES \
+            and q.device.type == "cpu":
+        # Several KV heads in bf16/fp16 over many rows: CPU SDPA's flash kernel converts every block to float32 and
+        # pays its tiling for a handful of query rows; one head-major copy of K and V and two batched matmuls cost
+        # less (SmolLM2 bf16, 32 decode rows x 130 keys x 3 KV heads, avx512_bf16: 0.84 -> 0.67 ms a layer, copies
+        # in). Over few rows the copies and batched-matmul set-up cost more than SDPA (1 row: 207 vs 102 us).
         k, v = k.contiguous(), v.contiguous()  # [G, Hkv, S, D*]
         scores = torch.matmul(qf, k.transpose(-1, -2)).mul_(scale)  # [G, Hkv, r * Q, S]
         if blocked is not None:
@@ -217,5 +219,6 @@ def unfold_heads(x: torch.Tensor, n: int) -> torch.Tensor:
 SMALL_QUERY_ROWS = 64
 # dtypes whose few-query-row GQA attention runs as matmuls over a head-major copy of K and V (grouped_sdpa)
 HEAD_MAJOR_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
+HEAD_MAJOR_MIN_ROWS = 24  # ... and from this many rows a group on (micro, 120 keys: 16 rows 0.98x, 24 1.12x, 32 2x)
 
 

@@ -16,6 +16,8 @@ its own keys after them, and the two parts merge by log-sum-exp. At 32 rows of a
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -152,26 +154,20 @@ def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     r = hq // hkv
     qf = fold_heads(q, hkv)  # [G, Hkv, r * Q, Dk]
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # [G, Hkv, S, D*]: views of the row-major gathered keys
-    if hkv == 1 and r * Q <= SMALL_QUERY_ROWS:
-        # MQA decodes and verification rows (MLA's absorbed path): two batched matmuls beat CPU SDPA's kernel ~5x
-        # at a few query rows (every query row sees at least one key, so no row is all -inf). With several KV
-        # heads the matmuls would first copy K and V head-major; SDPA reads the strided views as they are
-        # (SmolLM2, 32 decode rows x 122 keys x 3 KV heads: 1.93 -> 0.92 ms a layer).
-        scores = small_matmul(qf, k.transpose(-1, -2)).mul_(scale)  # [G, 1, r * Q, S]
+    head_major = (G >= HEAD_MAJOR_MIN_ROWS and q.dtype in HEAD_MAJOR_DTYPES and q.device.type == "cpu")
+    if r * Q <= SMALL_QUERY_ROWS and (hkv == 1 or head_major):
+        # Two batched matmuls beat CPU SDPA's flash kernel at a few query rows (every query row sees at least one
+        # key, so no row is all -inf): MQA decodes and verification rows (MLA's absorbed path, ~5x); and several KV
+        # heads in bf16/fp16 over many rows, where the kernel converts every block to float32 and pays its tiling,
+        # after one head-major copy of K and V (SmolLM2 bf16, 32 decode rows x 130 keys x 3 KV heads, avx512_bf16:
+        # 0.84 -> 0.67 ms a layer, copies in). In float32, and over few rows (1 row: 207 vs 102 us), that copy costs
+        # more than SDPA, which reads the strided views as they are (float32, 32 rows: 1.93 -> 0.92 ms a layer).
+        if hkv > 1:
+            k, v = k.contiguous(), v.contiguous()  # [G, Hkv, S, D*]
+        scores = small_matmul(qf, k.transpose(-1, -2)).mul_(scale)  # [G, Hkv, r * Q, S]
         if blocked is not None:  # the r heads of a KV head share the mask: broadcast it, no tiling
             scores.view(G, hkv, r, Q, -1).masked_fill_(blocked.unsqueeze(2), float("-inf"))
-        out = small_matmul(scores.softmax(-1), v)
-    elif r * Q <= SMALL_QUERY_ROWS and G >= HEAD_MAJOR_MIN_ROWS and q.dtype in HEAD_MAJOR_DTYPES \
-            and q.device.type == "cpu":
-        # Several KV heads in bf16/fp16 over many rows: CPU SDPA's flash kernel converts every block to float32 and
-        # pays its tiling for a handful of query rows; one head-major copy of K and V and two batched matmuls cost
-        # less (SmolLM2 bf16, 32 decode rows x 130 keys x 3 KV heads, avx512_bf16: 0.84 -> 0.67 ms a layer, copies
-        # in). Over few rows the copies and batched-matmul set-up cost more than SDPA (1 row: 207 vs 102 us).
-        k, v = k.contiguous(), v.contiguous()  # [G, Hkv, S, D*]
-        scores = torch.matmul(qf, k.transpose(-1, -2)).mul_(scale)  # [G, Hkv, r * Q, S]
-        if blocked is not None:
-            scores.view(G, hkv, r, Q, -1).masked_fill_(blocked.unsqueeze(2), float("-inf"))
-        out = torch.matmul(scores.float().softmax(-1).to(v.dtype), v)
+        out = small_matmul(scores.float().softmax(-1).to(v.dtype), v)  # softmax in float32 (a no-op there)
     else:
         mask = mask.repeat(1, 1, r, 1) if r > 1 else mask  # folded query j * Q + i has row i's mask
         out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale)
@@ -198,8 +194,8 @@ def small_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """torch.matmul(a, b) for a [..., M, K] and b [..., K, N]. A batch of one in bf16/fp16 on the CPU runs as one
     2-D mm: the batched bf16 kernel copies a strided operand (the cache's keys, read transposed) on every call, the
     2-D one reads it in place (MLA at batch 1, 1 x [4, 576] x [576, 1000]: 363 -> 92 us). float32 keeps matmul."""
-    if a.dtype == torch.float32 or a.device.type != "cpu" or a.dim() < 3 or a[..., 0, 0].numel() != 1 \
-            or b[..., 0, 0].numel() != 1:
+    if a.dtype == torch.float32 or a.device.type != "cpu" or a.dim() < 3 or math.prod(a.shape[:-2]) != 1 \
+            or math.prod(b.shape[:-2]) != 1:
         return torch.matmul(a, b)
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     return torch.mm(a.reshape(a.shape[-2:]), b.reshape(b.shape[-2:])).view(*batch, a.shape[-2], b.shape[-1])

@@ -11,7 +11,13 @@ copied to a temporary folder with max_position_embeddings raised to fit; weights
 the bundled model (its drafter). Each config of a point has its own engine, all alive at once: each runs the
 batch once as a warm-up (prefix caching on, so the timed runs measure decoding), then --repeats rounds time every
 engine in turn and each reports its best round, so a drift of a shared machine's speed hits all configs alike.
-"auto" also reports the K it chose (histogram over all its steps) and its predicted / realised emitted tokens.
+"auto" also reports the K it chose (histogram over all its steps) and its predicted / realised emitted tokens,
+and the K of its timed steps split into full batch / batch tail / new batch (k_by_rows).
+
+NOISE: a second no-spec engine ("twin", built last, so any cost of being built after a dozen engines falls on it)
+runs the same work; |1 - twin / no-spec| is the point's noise, and a miss of the aim by no more than that is
+reported as within noise. On the 2-core dev machine four identical engines timed this way differed by up to 9%
+(best of 6 rounds, batch 32).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from tandem import LLM, SamplingParams
 from tandem.assets import DEFAULT_DSPARK, DEFAULT_MODEL
 from tandem.bench.machine import machine_info
 from tandem.data.gsm8k import STOP_STRINGS
+from tandem.spec_decode.policy import RunningRow, SpecPolicy
 from tandem.tokenizer import Tokenizer
 
 
@@ -68,9 +75,13 @@ def run_point(model: str, configs: dict[str, dict | None], texts: list[str], arg
                          kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30)) for name, spec in configs.items()}
     best = dict.fromkeys(engines, float("inf"))
     tokens: dict[str, int] = {}
+    traces: dict[str, list[tuple[int, bool, int]]] = {}
     try:
         for llm in engines.values():
             llm.generate(texts, params, use_tqdm=False)  # warm-up: fills the prefix cache, "auto" starts learning
+        for name, llm in engines.items():
+            if llm.engine.policy is not None:
+                traces[name] = trace_choices(llm.engine.policy)
         for _ in range(args.repeats):
             for name, llm in engines.items():
                 start = time.perf_counter()
@@ -87,11 +98,39 @@ def run_point(model: str, configs: dict[str, dict | None], texts: list[str], arg
                 "predicted_emitted": metrics.get("tandem:spec_policy_predicted_emitted_tokens"),
                 "realised_emitted": metrics.get("tandem:spec_policy_realised_emitted_tokens"),
                 "fitted_costs": {n.removeprefix("tandem:spec_policy_"): v for n, v in metrics.items()
-                                 if n.startswith("tandem:spec_policy_") and "_cost_" in n}}
+                                 if n.startswith("tandem:spec_policy_") and "_cost_" in n},
+                "k_by_rows": k_by_rows(traces[name], len(texts)) if name in traces else None}
         return results
     finally:
         for llm in engines.values():
             llm.shutdown()
+
+
+def trace_choices(policy: SpecPolicy) -> list[tuple[int, bool, int]]:
+    """Record (running rows, new batch, chosen K) of every choice the policy makes from now on: a list append a
+    step, so the timed "auto" engine pays nothing measurable for it."""
+    trace: list[tuple[int, bool, int]] = []
+    choose = policy.choose
+
+    def traced(running: list[RunningRow], new_batch: bool = False) -> int:
+        k = choose(running, new_batch)
+        trace.append((len(running), new_batch, k))
+        return k
+
+    policy.choose = traced  # type: ignore[method-assign]
+    return trace
+
+
+def k_by_rows(trace: list[tuple[int, bool, int]], batch: int) -> dict[str, list[int]]:
+    """Histograms of chosen K over the timed steps, split by where in a batch they fall: "full" (more than half the
+    batch's rows running), "tail" (at most half: the batch's last requests), "new batch" (the step that admits a
+    batch). Where a drafter's K = 0 steps fall says whether the policy misjudges full batches or only tails."""
+    out: dict[str, list[int]] = {"full": [], "tail": [], "new batch": []}
+    for rows, new_batch, k in trace:
+        part = out["new batch" if new_batch else "full" if 2 * rows > batch else "tail"]
+        part.extend([0] * (k + 1 - len(part)))
+        part[k] += 1
+    return out
 
 
 def main() -> None:
@@ -134,10 +173,14 @@ def main() -> None:
                 for drafter in drafters:
                     for k in [*range(1, args.max_k + 1), "auto"]:
                         configs[f"{drafter} {'K=' if k != 'auto' else ''}{k}"] = drafter_spec(drafter, k, args.max_k)
+                configs["no-spec twin"] = None  # built last: the noise yardstick of the point (NOISE above)
                 measured = run_point(model, configs, texts, args, max_len)
                 base = measured["no-spec"] | {"prompts": kind, "batch": batch, "drafter": "-", "config": "no-spec"}
+                twin = measured["no-spec twin"] | {"prompts": kind, "batch": batch, "drafter": "-", "config": "twin"}
+                noise = abs(1 - twin["tokens_per_s"] / base["tokens_per_s"])
                 _print(base, base["tokens_per_s"])
-                results.append(base)
+                _print(twin, base["tokens_per_s"])
+                results += [base, twin]
                 for drafter in drafters:
                     rows = [r | {"prompts": kind, "batch": batch, "drafter": drafter, "config": name.split()[1]}
                             for name, r in measured.items() if name.startswith(f"{drafter} ")]
@@ -146,14 +189,18 @@ def main() -> None:
                     auto["vs_best"] = auto["tokens_per_s"] / best
                     auto["vs_no_spec"] = auto["tokens_per_s"] / base["tokens_per_s"]
                     auto["meets_aim"] = auto["vs_best"] >= 0.97 and auto["vs_no_spec"] >= 0.97
+                    auto["noise"] = noise
+                    auto["meets_within_noise"] = min(auto["vs_best"], auto["vs_no_spec"]) >= 0.97 - noise
                     for r in rows:
                         _print(r, base["tokens_per_s"])
                     results += rows
     print("\n'auto' vs the best of {no-spec, every fixed K} (aim >= 0.97x, and >= 0.97x no-spec):")
     for r in results:
         if r["config"] == "auto":
+            verdict = "meets" if r["meets_aim"] else "misses, within the point's noise" if r["meets_within_noise"] \
+                else "MISSES"
             print(f"  {r['prompts']:<6} batch {r['batch']:>3} {r['drafter']:<7} {r['vs_best']:.2f}x best, "
-                  f"{r['vs_no_spec']:.2f}x no-spec  {'meets' if r['meets_aim'] else 'MISSES'}")
+                  f"{r['vs_no_spec']:.2f}x no-spec, no-spec twin off by {r['noise']:.1%}  {verdict}")
     if args.json:
         args.json.write_text(json.dumps({"machine": info, "args": {k: str(v) for k, v in vars(args).items()},
                                          "results": results}, indent=2))
@@ -166,6 +213,9 @@ def _print(r: dict, base: float) -> None:
         hist = " ".join(f"{k}:{int(n)}" for k, n in enumerate(r["chosen_k"]))
         notes = (f"chosen K {hist}; emitted predicted {r['predicted_emitted']:.0f} / realised "
                  f"{r['realised_emitted']:.0f}")
+        if r.get("k_by_rows"):
+            notes += "; timed steps " + ", ".join(f"{part} " + "/".join(map(str, h))
+                                                  for part, h in r["k_by_rows"].items() if h)
     print(f"{r['prompts']:<7} {r['batch']:>5} {r['drafter']:<7} {r['config']:<8} {r['tokens_per_s']:>8.1f} "
           f"{r['tokens_per_s'] / base:>9.2f}x {accept:>10}  {notes}")
 

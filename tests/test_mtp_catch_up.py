@@ -1,6 +1,6 @@
 """Deferred MTP step 0 (spec_decode/mtp_catch_up.py): which deferred tokens a row extends back over, where the
-extended batch puts every token, and the bound on deferring. The end-to-end check (drafts after K = 0 steps equal
-MTP recomputed from scratch, in both draft modes) is test_spec_policy.py's
+extended batch puts every token, the bound on deferring, and which prompt rows defer. The end-to-end check (drafts
+after K = 0 steps equal MTP recomputed from scratch, in both draft modes) is test_spec_policy.py's
 test_drafts_after_k0_steps_equal_plain_recomputation."""
 
 from __future__ import annotations
@@ -75,6 +75,22 @@ def test_defer_keeps_only_accepted_tokens_and_stops_at_the_bound():
     assert (entry.start, entry.num_tokens) == (30, 2)
     entry.num_tokens = MAX_DEFERRED_TOKENS - 1
     assert not deferred.can_defer(plan, batch, last_idx), "two more would exceed MAX_DEFERRED_TOKENS"
-    prefill = StepPlan([ScheduledRow("p", [1, 2, 3], 0, [0], True, GREEDY)])
-    assert not DeferredStep0(BLOCK).can_defer(prefill, prepare_inputs(prefill, BLOCK, "cpu"), [2]), \
-        "a prompt chunk's step 0 is never deferred"
+
+
+def test_a_prompts_last_chunk_defers_and_an_earlier_chunk_does_not():
+    """A prompt that ends this step samples and defers like a decode (its tokens from the prefix hit on); a chunk
+    that stops short of its prompt's end samples nothing, and a step holding one runs step 0 for every row."""
+    deferred = DeferredStep0(BLOCK)
+    last = StepPlan([ScheduledRow("p", [1, 2, 3], 4, [0, 1], True, GREEDY)])  # a 4-token prefix hit, 3 new tokens
+    batch = prepare_inputs(last, BLOCK, "cpu")
+    assert deferred.can_defer(last, batch, [2])
+    deferred.defer(last, batch, torch.tensor([2, 3, 9]), torch.ones(3, 2), [2])
+    entry = deferred.deferred["p"]
+    assert (entry.start, entry.num_tokens, torch.cat(entry.ids).tolist()) == (4, 3, [2, 3, 9])
+    ext = deferred.extend(_decode_plan([("p", 7, 0)]), prepare_inputs(_decode_plan([("p", 7, 0)]), BLOCK, "cpu"),
+                          torch.tensor([5]), torch.zeros(1, 2))
+    assert ext is not None and ext.positions.tolist() == [4, 5, 6, 7], "the first decode catches the prompt up"
+    chunk = StepPlan([ScheduledRow("q", [1, 2, 3], 0, [0], True, None),
+                      ScheduledRow("r", [4], 9, [1, 2, 3], False, GREEDY)])
+    assert not DeferredStep0(BLOCK).can_defer(chunk, prepare_inputs(chunk, BLOCK, "cpu"), [3]), \
+        "a chunk that does not end its prompt runs step 0, and so does the step it is in"

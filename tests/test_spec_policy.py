@@ -22,6 +22,7 @@ from tandem.engine.step_plan import RowSampling, ScheduledRow, StepOutput, StepP
 from tandem.spec_decode.acceptance import PositionRates, expected_lengths
 from tandem.spec_decode.cost_model import (
     DRAFT_TERMS,
+    STEP0_DEFERRED,
     TARGET_TERMS,
     LinearCostModel,
     StepShape,
@@ -87,6 +88,8 @@ class Simulation:
             target, draft = world.seconds(plan.num_tokens, k)
             noise = 1 + 0.05 * (2 * self.rng.random() - 1)
             output = StepOutput(emitted, [None] * len(rows), [[0] * k for _ in rows], draft_s=draft * noise)
+            if isinstance(world, DeferringWorld) and k == 0:  # as MTP's proposer reports a deferred step 0
+                output.draft_stats[STEP0_DEFERRED] = float(plan.num_tokens)
             self.policy.record_step(plan, output, (target + draft) * noise, draft * noise)
             self.tokens += sum(map(len, emitted))
             self.seconds += target + draft
@@ -196,6 +199,24 @@ def test_a_deferred_step0_is_priced_out_of_k0():
     chosen = sim.run(world, 300)
     rate = (sim.tokens - tokens) / (sim.seconds - seconds)
     assert _mode(chosen)[0] == 0 and rate >= 0.97 * world.rate(16, 0), f"{rate:.1f} vs {world.rate(16, 0):.1f}"
+
+
+def test_no_exploration_where_even_a_perfect_drafter_could_not_pay():
+    """Verification tokens cost twice a step's base and a draft pass half a target decode here: at batch 16 no K
+    comes within 10% of K = 0 even with every draft accepted, so exploring is pure loss. The policy skips the
+    16, 32, 64... schedule (the old rule explored at steps 16 and 81 of these 200) and explores only once its fitted
+    costs of drafting are max_explore_after steps old. At batch 1 in a world where a perfect drafter would pay, a
+    useless one is still explored on schedule."""
+    costly = {"base": 0.001, "per_token": 0.002, "draft_base": 0.0005, "per_draft": 0.01}
+    assert max(World(1.0, **costly).rate(16, k) for k in range(1, K_MAX + 1)) < 0.9 * World(1.0, **costly).rate(16, 0)
+    policy = SpecPolicy(K_MAX)
+    sim = Simulation(policy, batch=16, seed=8)
+    sim.run(World(0.9, **costly), 40)  # the costs are fitted by sweeping K first
+    chosen = sim.run(World(0.9, **costly), 200)
+    assert not any(chosen), f"explored where no K could pay: K > 0 at steps {[i for i, k in enumerate(chosen) if k]}"
+    assert World(1.0).best_k(1) > 0  # the default world: a decode's fixed cost dominates
+    small = Simulation(SpecPolicy(K_MAX), batch=1, seed=9).run(World(0.0), 64)
+    assert sum(k > 0 for k in small[8:]) >= 2, f"no exploration at batch 1, where a good drafter would pay: {small}"
 
 
 def test_resumes_at_once_when_the_batch_shrinks():
@@ -418,7 +439,9 @@ def _no_spec(path: Path) -> list[list[int]]:
 class _Restless(SpecPolicy):
     """The policy, exploring after 2 steps at K = 0 and overruled every third step by another K (its choice + 1,
     + 2, ..., + K_max in turn, mod K_max + 1), so that on tiny models (where one K may win throughout, and which one
-    depends on the measured step times) every run still switches K: up, down and to 0."""
+    depends on the measured step times) every run still switches K: up, down and to 0. The first step is overruled
+    too: the prompts that end in it propose drafts whatever the timings (n-gram's repetitive prompt then drafts at
+    once; left to the timings, a run under load could end without a single draft)."""
 
     def __init__(self, max_k: int, **kwargs):
         super().__init__(max_k, explore_after=2, **kwargs)
@@ -426,7 +449,7 @@ class _Restless(SpecPolicy):
 
     def choose(self, running: list[RunningRow], new_batch: bool = False) -> int:
         k = super().choose(running, new_batch)
-        if len(self.ks) % 3 == 2:
+        if len(self.ks) % 3 == 0:
             k = (k + 1 + (len(self.ks) // 3) % self.max_k) % (self.max_k + 1)
         self.ks.append(k)
         return k

@@ -20,9 +20,10 @@ from tandem.executor.uniproc import UniprocExecutor
 from tandem.outputs import CompletionOutput, RequestOutput
 from tandem.sampling_params import SamplingParams
 from tandem.spec_decode.calibration import calibrate
+from tandem.spec_decode.cost_model import STEP0_DEFERRED
 from tandem.spec_decode.draft_mode import resolve_draft_mode
 from tandem.spec_decode.metrics import SpecDecodeStats
-from tandem.spec_decode.mtp_catch_up import defers_step0
+from tandem.spec_decode.mtp_catch_up import MAX_DEFERRED_TOKENS, defers_step0
 from tandem.spec_decode.policy import SpecPolicy
 from tandem.tokenizer import Tokenizer
 
@@ -56,7 +57,8 @@ class LLMEngine:
         self.spec_stats = SpecDecodeStats()
         defers = defers_step0(self.spec.method, self.draft_mode.mode,
                               config.parallel_config.prefill_context_parallel_size)
-        self.policy = SpecPolicy(self.spec.max_k, defers_step0=defers) if self.spec.enabled and self.spec.auto else None
+        self.policy = (SpecPolicy(self.spec.max_k, defers_step0=defers, max_deferred_tokens=MAX_DEFERRED_TOKENS)
+                       if self.spec.enabled and self.spec.auto else None)
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, config.model_config, num_blocks,
                                    self.spec, self.policy, num_kv_pools=pools)
         if self.policy is not None:  # seed its cost models; the next plan frees the synthetic rows on every rank
@@ -215,6 +217,10 @@ class LLMEngine:
             Gauge("tandem:spec_decode_mean_acceptance_length", st.mean_acceptance_length),
             *([Gauge("tandem:spec_decode_dspark_mean_confidence", st.mean_confidence)]
               if "confidence_sum" in st.draft_stats else []),
+            # "auto" with MTP: tokens whose step 0 waited for a drafting step (K = 0), and those it then caught up
+            *([Counter("tandem:spec_decode_mtp_deferred_step0_tokens", st.draft_stats.get(STEP0_DEFERRED, 0.0)),
+               Counter("tandem:spec_decode_mtp_caught_up_tokens", st.draft_stats.get("catch_up_tokens", 0.0))]
+              if self.policy is not None and self.policy.defers_step0 else []),
             *(self.policy.metrics() if self.policy is not None else []),
         ]
 

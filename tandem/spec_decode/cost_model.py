@@ -61,6 +61,10 @@ def attended_keys(num_new_tokens: int, num_computed_tokens: int) -> float:
     return num_new_tokens * num_computed_tokens + num_new_tokens * (num_new_tokens + 1) / 2
 
 
+# a draft stat: a step whose drafter deferred its per-step pass whole (MTP's step 0 at K = 0, mtp_catch_up.py), the
+# number of tokens it deferred; such a step's draft features price no step 0
+STEP0_DEFERRED = "step0_deferred_tokens"
+
 OUTLIER_CLIP = 1.5  # a step measured above this multiple of the prediction is counted at it (noise is one-sided)
 
 

@@ -27,6 +27,7 @@ from tandem.attention.metadata import PAD_SLOT_ID, AttentionMetadata, build_atte
 from tandem.attention.sharded_kv import ShardedAttentionMetadata
 from tandem.engine.step_plan import StepPlan
 from tandem.models.mtp import DeepSeekMTP
+from tandem.spec_decode.cost_model import STEP0_DEFERRED
 from tandem.spec_decode.draft_sampling import pack_drafts, sample_draft
 from tandem.spec_decode.mtp_catch_up import DeferredStep0
 from tandem.spec_decode.proposer import Proposal, TargetStep
@@ -76,7 +77,8 @@ class MTPProposer:
         shifted, last_idx = self._shifted_ids(plan, batch, emitted)  # global: a next token may be remote
         if self.defers and k == 0 and last_idx and self.deferred.can_defer(plan, batch, last_idx):
             self.deferred.defer(plan, batch, shifted, step.global_hidden(), last_idx)
-            return Proposal([[] for _ in last_idx])
+            # the policy prices this step's draft pass as no step 0 at all (cost_model.StepShape.draft_features)
+            return Proposal([[] for _ in last_idx], stats={STEP0_DEFERRED: float(batch.num_tokens - batch.num_padding)})
         extension = self.deferred.extend(plan, batch, shifted, step.global_hidden()) if self.defers else None
         sample_idx = last_idx  # each sampling row's last valid token among step 0's outputs
         if extension is not None:  # the deferred tokens ride along, each row now a longer causal run

@@ -10,6 +10,10 @@ at K = 0 to the next step that drafts (mtp_catch_up.py). The draft model prices 
 Acceptance is observed only while drafting, so after `explore_after` steps at K = 0 the policy drafts at K = 1
 for two steps (one proposes, the next verifies) to refresh it; each exploration that does not switch drafting back
 on doubles the wait (up to `max_explore_after`), so a drafter that never pays costs two cheap steps in that many.
+An exploration runs only where drafting could pay at all: some K >= 1 beats K = 0 with every draft accepted
+(at long contexts and large batches verification tokens cost more than even a perfect drafter saves, and an
+exploration there, with MTP's catch-up of every deferred token, is pure loss); until then the wait stays due, up to
+`max_explore_after` steps, when the policy explores anyway to refresh the fitted costs of drafting.
 Drafting that pays ends the back-off only at no fewer rows than that exploration had (a batch's few-row tail,
 where drafting is cheap, does not restart it for the next full batch).
 A switch of K discards the pending drafts, so K changes only for a gain above `switch_margin`.
@@ -26,7 +30,14 @@ import numpy as np
 from tandem.engine.metrics import Counter, Gauge, Metric, Vector
 from tandem.engine.step_plan import StepOutput, StepPlan
 from tandem.spec_decode.acceptance import PositionRates, expected_lengths_by_k
-from tandem.spec_decode.cost_model import DRAFT_TERMS, TARGET_TERMS, LinearCostModel, StepShape, attended_keys
+from tandem.spec_decode.cost_model import (
+    DRAFT_TERMS,
+    STEP0_DEFERRED,
+    TARGET_TERMS,
+    LinearCostModel,
+    StepShape,
+    attended_keys,
+)
 
 
 @dataclass(frozen=True)
@@ -40,10 +51,11 @@ class RunningRow:
 
 class SpecPolicy:
     def __init__(self, max_k: int, explore_after: int = 16, max_explore_after: int = 256, switch_margin: float = 0.03,
-                 defers_step0: bool = False):
+                 defers_step0: bool = False, max_deferred_tokens: int = 256):
         self.max_k, self.switch_margin = max_k, switch_margin
-        # MTP's step 0 is deferred at K = 0 on decode-only steps (mtp_catch_up.py): those steps price no step 0
-        self.defers_step0 = defers_step0
+        # MTP's step 0 is deferred at K = 0 (mtp_catch_up.py) where every row is a decode or a prompt's last chunk
+        # of at most max_deferred_tokens: those steps price no step 0
+        self.defers_step0, self.max_deferred_tokens = defers_step0, max_deferred_tokens
         self.accept = PositionRates(max_k)
         self.fill = PositionRates(max_k, prior=0.9)  # model drafters always fill; n-gram learns its own rate
         self.target = LinearCostModel(TARGET_TERMS)
@@ -87,7 +99,10 @@ class SpecPolicy:
             best = max(best, 1)
         elif best == 0:
             self.steps_at_zero += 1
-            if self.steps_at_zero >= self.explore_after:  # acceptance is stale: draft two steps to refresh it
+            # acceptance is stale: draft two steps to refresh it, where a K >= 1 could pay at all, or in any case
+            # after max_explore_after steps (the fitted costs of drafting, unobserved at K = 0, go stale too)
+            if self.steps_at_zero >= self.max_explore_after or (
+                    self.steps_at_zero >= self.explore_after and self.could_pay(running, rate[0])):
                 self.steps_at_zero, self._explore_left = 0, 1
                 self.explore_after = min(2 * self.explore_after, self.max_explore_after)
                 self._explored_rows = len(running)
@@ -101,17 +116,26 @@ class SpecPolicy:
                 self.explore_after = self.base_explore_after
         return self._commit(best, float(emitted[best]))
 
-    def expected(self, running: list[RunningRow]) -> tuple[np.ndarray, np.ndarray]:
-        """(expected emitted tokens, predicted seconds) of the next step at each K = 0..K_max, [K_max + 1] each.
-        Vectorised over the rows (the plain per-row sum is tests/test_spec_policy.py's reference): at batch 64
-        a per-row loop cost ~3 ms a step, a few % of the step it chooses for."""
+    def could_pay(self, running: list[RunningRow], rate_k0: float) -> bool:
+        """Whether some K >= 1 beats K = 0's rate by the switch margin with every draft accepted (the drafter's
+        fill rates as estimated): the bound of what an exploration could find."""
+        emitted, seconds = self.expected(running, perfect=True)
+        return bool((emitted[1:] / np.maximum(seconds[1:], 1e-9)).max() >= (1 + self.switch_margin) * rate_k0)
+
+    def expected(self, running: list[RunningRow], perfect: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """(expected emitted tokens, predicted seconds) of the next step at each K = 0..K_max, [K_max + 1] each;
+        `perfect`: as if every draft were accepted. Vectorised over the rows (the plain per-row sum is
+        tests/test_spec_policy.py's reference): at batch 64 a per-row loop cost ~3 ms a step, a few % of the step
+        it chooses for."""
         decode = [r for r in running if r.num_new_tokens <= 1]
         prompt_tokens = sum(r.num_new_tokens for r in running if r.num_new_tokens > 1)  # cost independent of K
         prompt_keys = sum(attended_keys(r.num_new_tokens, r.num_tokens - r.num_new_tokens)
                           for r in running if r.num_new_tokens > 1)
+        long_prompt = any(r.num_new_tokens > self.max_deferred_tokens for r in running)  # runs step 0 at K = 0
         ids = [r.request_id for r in decode]
         context = np.array([r.num_tokens for r in decode], dtype=np.float64)  # [R]
-        accept, fill = self.accept.estimates(ids), self.fill.estimates(ids)  # [R, K_max] each
+        fill = self.fill.estimates(ids)  # [R, K_max]
+        accept = np.ones_like(fill) if perfect else self.accept.estimates(ids)  # [R, K_max]
         emitted, drafts = expected_lengths_by_k(accept, fill)  # [R, K_max + 1] each
         verifying, verifying_context = float(fill[:, 0].sum()), float(fill[:, 0] @ context)
         seconds = np.empty(self.max_k + 1)
@@ -119,13 +143,9 @@ class SpecPolicy:
             shape = StepShape(len(running), round(prompt_tokens + len(decode) + drafts[:, k].sum()),
                               prompt_keys + float((1 + drafts[:, k]) @ context), len(decode), int(context.sum()),
                               verifying if k else 0.0, verifying_context if k else 0.0, float(emitted[:, k].sum()))
-            draft = self.draft.predict(shape.draft_features(k, self._runs_step0(k, prompt_tokens > 0)))
+            draft = self.draft.predict(shape.draft_features(k, k > 0 or long_prompt or not self.defers_step0))
             seconds[k] = self.target.predict(shape.target_features()) + draft
         return emitted.sum(axis=0), seconds
-
-    def _runs_step0(self, k: int, has_prompt_rows: bool) -> bool:
-        """Whether the drafter's per-step pass runs at K = k: only a decode-only step at K = 0 defers it."""
-        return k > 0 or has_prompt_rows or not self.defers_step0
 
     def _commit(self, k: int, predicted: float) -> int:
         self.chosen[k] += 1
@@ -139,7 +159,7 @@ class SpecPolicy:
         """A step ran: `step_s` its whole wall time on rank 0, `draft_s` the drafter's share of it."""
         shape = step_shape(plan, output)
         self.target.observe(shape.target_features(), max(step_s - draft_s, 0.0))
-        step0 = self._runs_step0(plan.num_spec_tokens, any(row.is_prefill for row in plan.rows))
+        step0 = STEP0_DEFERRED not in output.draft_stats  # the drafter says whether it ran its per-step pass
         # MTP's catch-up ran step 0 over deferred tokens too: they are step-0 tokens of this step's draft pass
         caught_up = output.draft_stats.get("catch_up_tokens", 0.0)
         draft_shape = dataclasses.replace(shape, num_tokens=shape.num_tokens + round(caught_up),

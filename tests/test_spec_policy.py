@@ -320,6 +320,29 @@ def test_vectorised_expected_equals_the_plain_per_row_sum():
     assert policy.expected([])[0].tolist() == [0.0] * (K_MAX + 1)
 
 
+def test_a_lone_stall_is_clipped_but_a_term_never_exercised_is_learned_at_once():
+    """Fitted on steps that never drafted (the draft-decode term unseen, fitted 0), the model prices a K = 3 step at
+    a third of its cost. A single slow step is a stall (counted at 1.5x the prediction); two slow steps in a row are
+    the model being wrong: both count in full and the model is re-solved, so the third step's prediction is within
+    10% (the old rule clipped every one: 0.31x, and 0.47x after 8 such steps)."""
+    model = LinearCostModel(("base", "per_token", "decode"))
+    rng = np.random.default_rng(2)
+    for _ in range(64):
+        tokens = int(rng.integers(1, 32))
+        model.observe(np.array([1.0, tokens, 0.0]), 0.010 + 0.001 * tokens)
+    k3 = np.array([1.0, 8.0, 2.0])
+    truth = 0.010 + 0.008 + 0.020 * 2
+    assert model.predict(k3) < 0.5 * truth
+    stall = np.array([1.0, 8.0, 0.0])
+    before = model.predict(stall)
+    model.observe(stall, 10 * before)  # one stalled decode step
+    model.refit()
+    assert model.predict(stall) < 1.1 * before, "a lone stall moved the model"
+    for _ in range(2):
+        model.observe(k3, truth)
+    assert model.predict(k3) == pytest.approx(truth, rel=0.1), f"{model.predict(k3):.4f} s vs {truth:.4f} s"
+
+
 def test_cost_model_recovers_known_coefficients_and_stays_non_negative():
     rng = np.random.default_rng(0)
     # base, per row, per token, per token x context, per verifying row, per verifying context, per emitted token

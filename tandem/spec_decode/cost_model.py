@@ -14,7 +14,7 @@ Features of a step (all from the StepPlan, so the scheduler can evaluate a step 
 where S = sampling rows and C = their summed context. A drafter whose passes lack a term fits ~0 for it.
 
 The fit is least squares with exponential forgetting (old steps fade, so the model follows a machine whose load
-or a workload whose shape drifts), high outliers clipped once the model is fitted, a small ridge toward zero
+or a workload whose shape drifts), a lone high outlier clipped once the model is fitted, a small ridge toward zero
 (terms the data cannot separate stay small), and non-negative coefficients (a cost never falls as work grows).
 It is re-solved every `refresh_every` steps.
 """
@@ -75,6 +75,8 @@ class LinearCostModel:
     ridge: float = 1e-4
     refresh_every: int = 8
     num_observations: int = 0
+    # the last observation, when it was clipped: its features and the seconds cut off
+    _clipped: tuple[np.ndarray, float] | None = field(init=False, default=None)
     gram: np.ndarray = field(init=False)  # [F, F] sum of w x x^T
     moment: np.ndarray = field(init=False)  # [F] sum of w x y
     coef: np.ndarray = field(init=False)  # [F] seconds per unit of each term
@@ -84,13 +86,23 @@ class LinearCostModel:
         self.gram, self.moment, self.coef = np.zeros((n, n)), np.zeros(n), np.zeros(n)
 
     def observe(self, features: np.ndarray, seconds: float) -> None:
-        if self.ready:  # a step stalled by the machine (another process, a GC pause) counts as at most an outlier
-            seconds = min(seconds, OUTLIER_CLIP * self.predict(features) + 1e-4)
+        """One step's features and measured seconds. A step above OUTLIER_CLIP x the prediction counts at that
+        bound (a step stalled by the machine: another process, a GC pause), but only alone: the next such step in
+        a row means the model is wrong, not the machine (a term the data never exercised, e.g. draft decodes at an
+        8k context fitted on the 64-token calibration, priced K = 3 at 0.6x its cost): both count in full and the
+        model is re-solved at once."""
+        bound = OUTLIER_CLIP * self.predict(features) + 1e-4
+        outlier = self.ready and seconds > bound
         self.gram = self.forgetting * self.gram + np.outer(features, features)
-        self.moment = self.forgetting * self.moment + features * seconds
+        self.moment = self.forgetting * self.moment + features * (bound if outlier else seconds)
         self.num_observations += 1
-        if self.num_observations % self.refresh_every == 0:
+        if outlier and self._clipped is not None:  # the second in a row: this one and the last one count in full
+            last_features, last_excess = self._clipped
+            self.moment += features * (seconds - bound) + self.forgetting * last_features * last_excess
             self.refit()
+        elif self.num_observations % self.refresh_every == 0:
+            self.refit()
+        self._clipped = (features, seconds - bound) if outlier else None
 
     def refit(self) -> None:
         """Non-negative ridge least squares by an active set: solve on the free terms, drop the most negative."""

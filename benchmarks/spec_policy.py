@@ -29,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 from spec_decode import prompts as gsm8k_prompts
 
 from tandem import LLM, SamplingParams
@@ -99,7 +100,8 @@ def run_point(model: str, configs: dict[str, dict | None], texts: list[str], arg
                 "realised_emitted": metrics.get("tandem:spec_policy_realised_emitted_tokens"),
                 "fitted_costs": {n.removeprefix("tandem:spec_policy_"): v for n, v in metrics.items()
                                  if n.startswith("tandem:spec_policy_") and "_cost_" in n},
-                "k_by_rows": k_by_rows(traces[name], len(texts)) if name in traces else None}
+                "k_by_rows": k_by_rows(traces[name], len(texts)) if name in traces else None,
+                "full_step_prices": price_summary(traces[name], len(texts)) if name in traces else None}
         return results
     finally:
         for llm in engines.values():
@@ -107,18 +109,45 @@ def run_point(model: str, configs: dict[str, dict | None], texts: list[str], arg
 
 
 def trace_choices(policy: SpecPolicy) -> list[tuple[int, bool, int]]:
-    """Record (running rows, new batch, chosen K) of every choice the policy makes from now on: a list append a
-    step, so the timed "auto" engine pays nothing measurable for it."""
+    """Record (running rows, new batch, chosen K) of every choice the policy makes from now on, and in `PRICES`
+    (predicted seconds at every K, measured seconds) of its decode steps: list appends, so the timed "auto" engine
+    pays nothing measurable for them."""
     trace: list[tuple[int, bool, int]] = []
-    choose = policy.choose
+    prices: list[tuple[int, list[float], float]] = []
+    PRICES[id(trace)] = prices
+    choose, record_step = policy.choose, policy.record_step
 
     def traced(running: list[RunningRow], new_batch: bool = False) -> int:
         k = choose(running, new_batch)
         trace.append((len(running), new_batch, k))
+        if not new_batch:
+            prices.append((k, policy.last_seconds.tolist(), 0.0))
         return k
 
+    def recorded(plan, output, step_s: float, draft_s: float, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        if prices and prices[-1][2] == 0.0 and trace and not trace[-1][1]:
+            prices[-1] = (prices[-1][0], prices[-1][1], step_s)
+        record_step(plan, output, step_s, draft_s, **kwargs)
+
     policy.choose = traced  # type: ignore[method-assign]
+    policy.record_step = recorded  # type: ignore[method-assign]
     return trace
+
+
+PRICES: dict[int, list[tuple[int, list[float], float]]] = {}
+
+
+def price_summary(trace: list[tuple[int, bool, int]], batch: int) -> dict[str, list[float]]:
+    """Over the timed full-batch decode steps: the policy's mean predicted ms at each K, and the mean measured ms
+    of the steps it ran at each K (nan where it ran none): whether its ranking of K was right."""
+    full = [p for p, (rows, new_batch, _) in zip(PRICES[id(trace)], [t for t in trace if not t[1]], strict=False)
+            if 2 * rows > batch]
+    if not full:
+        return {}
+    predicted = np.mean([p[1] for p in full], axis=0) * 1e3
+    measured = [float(np.mean([p[2] for p in full if p[0] == k])) * 1e3 if any(p[0] == k for p in full)
+                else float("nan") for k in range(len(predicted))]
+    return {"predicted_ms": [round(float(x), 1) for x in predicted], "measured_ms": [round(x, 1) for x in measured]}
 
 
 def k_by_rows(trace: list[tuple[int, bool, int]], batch: int) -> dict[str, list[int]]:
@@ -216,6 +245,10 @@ def _print(r: dict, base: float) -> None:
         if r.get("k_by_rows"):
             notes += "; timed steps " + ", ".join(f"{part} " + "/".join(map(str, h))
                                                   for part, h in r["k_by_rows"].items() if h)
+        if r.get("full_step_prices"):
+            fp = r["full_step_prices"]
+            notes += (f"; full step ms predicted {'/'.join(map(str, fp['predicted_ms']))}, measured "
+                      f"{'/'.join(map(str, fp['measured_ms']))}")
     print(f"{r['prompts']:<7} {r['batch']:>5} {r['drafter']:<7} {r['config']:<8} {r['tokens_per_s']:>8.1f} "
           f"{r['tokens_per_s'] / base:>9.2f}x {accept:>10}  {notes}")
 

@@ -116,12 +116,20 @@ def test_converges_to_the_best_k(alpha, batch):
 
 
 @pytest.mark.parametrize("alpha,batch", [(0.6, 1), (0.75, 4), (0.8, 16), (0.7, 1)])
-def test_where_the_optimum_is_flat_the_chosen_k_is_within_3_percent(alpha, batch):
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_where_the_optimum_is_flat_the_chosen_ks_are_within_3_percent(alpha, batch, seed):
+    """Two or three K within a few % of each other: which one the policy settles on is up to the noise (at
+    (0.75, 4) K = 3 is 3.6% below K = 2), so what is pinned is the expected rate of the K it chose after its first
+    100 steps (expected tokens over expected seconds of those steps: the realised acceptance of 200 steps at batch 1
+    is itself a few % off its mean)."""
     world = World(alpha)
-    chosen = Simulation(SpecPolicy(K_MAX), batch, seed=1).run(world, 300)
-    k = _mode(chosen[-100:])[0]
-    best = world.best_k(batch)
-    assert world.rate(batch, k) >= 0.97 * world.rate(batch, best), f"chose K={k}, best K={best}"
+    sim = Simulation(SpecPolicy(K_MAX), batch, seed=seed)
+    sim.run(world, 100)
+    chosen = sim.run(world, 200)
+    tokens = sum(batch * sum(alpha ** j for j in range(k + 1)) for k in chosen)
+    seconds = sum(sum(world.seconds(batch * (1 + k), k)) for k in chosen)
+    best = world.rate(batch, world.best_k(batch))
+    assert tokens / seconds >= 0.97 * best, f"{tokens / seconds:.1f} vs the best K's {best:.1f} ({np.bincount(chosen)})"
 
 
 def test_a_step_of_only_new_requests_proposes_at_the_k_that_paid_last():

@@ -13,9 +13,10 @@ Features of a step (all from the StepPlan, so the scheduler can evaluate a step 
             (k-1)+, S (k-1)+, C (k-1)+                 (MTP's one-token draft decodes)
 where S = sampling rows and C = their summed context. A drafter whose passes lack a term fits ~0 for it.
 
-The fit is least squares with exponential forgetting (old steps fade, so the model follows a machine whose load
-or a workload whose shape drifts), a lone high outlier clipped once the model is fitted, a small ridge toward zero
-(terms the data cannot separate stay small), and non-negative coefficients (a cost never falls as work grows).
+The fit is least squares on relative error (each step weighted by 1 / seconds^2) with exponential forgetting (old
+steps fade, so the model follows a machine whose load or a workload whose shape drifts), a lone high outlier
+clipped once the model is fitted, a small ridge toward zero (terms the data cannot separate stay small), and
+non-negative coefficients (a cost never falls as work grows).
 It is re-solved every `refresh_every` steps.
 """
 
@@ -65,6 +66,7 @@ def attended_keys(num_new_tokens: int, num_computed_tokens: int) -> float:
 # number of tokens it deferred; such a step's draft features price no step 0
 STEP0_DEFERRED = "step0_deferred_tokens"
 
+MIN_WEIGHTED_SECONDS = 1e-4  # a step's weight in the fit is 1 / seconds^2, capped here (a synthetic 0 s step)
 OUTLIER_CLIP = 1.5  # a step measured above this multiple of the prediction is counted at it (noise is one-sided)
 
 
@@ -93,16 +95,20 @@ class LinearCostModel:
         model is re-solved at once."""
         bound = OUTLIER_CLIP * self.predict(features) + 1e-4
         outlier = self.ready and seconds > bound
-        self.gram = self.forgetting * self.gram + np.outer(features, features)
-        self.moment = self.forgetting * self.moment + features * (bound if outlier else seconds)
+        kept = bound if outlier else seconds
+        # relative error is what ranks K (a rate ratio), so each step weighs 1 / seconds^2: unweighted, a 1.5 s
+        # prompt chunk outweighed ~100 decode steps of 35 ms, and K = 0's decode was priced 48% high at 8k keys
+        weight = 1.0 / max(kept, MIN_WEIGHTED_SECONDS) ** 2
+        self.gram = self.forgetting * self.gram + weight * np.outer(features, features)
+        self.moment = self.forgetting * self.moment + weight * features * kept
         self.num_observations += 1
         if outlier and self._clipped is not None:  # the second in a row: this one and the last one count in full
             last_features, last_excess = self._clipped
-            self.moment += features * (seconds - bound) + self.forgetting * last_features * last_excess
+            self.moment += weight * features * (seconds - bound) + self.forgetting * last_features * last_excess
             self.refit()
         elif self.num_observations % self.refresh_every == 0:
             self.refit()
-        self._clipped = (features, seconds - bound) if outlier else None
+        self._clipped = (weight * features, seconds - bound) if outlier else None
 
     def refit(self) -> None:
         """Non-negative ridge least squares by an active set: solve on the free terms, drop the most negative."""

@@ -16,6 +16,10 @@ exploration there, with MTP's catch-up of every deferred token, is pure loss); u
 `max_explore_after` steps, when the policy explores anyway to refresh the fitted costs of drafting.
 Drafting that pays ends the back-off only at no fewer rows than that exploration had (a batch's few-row tail,
 where drafting is cheap, does not restart it for the next full batch).
+While drafting, the policy likewise runs K = 0 for two steps (one verifies without proposing, the next is a plain
+decode) after `explore_after` drafting steps, doubling that wait each time drafting stays best: a run at one K
+measures only that K's step, and K = 0's price, extrapolated from steps long gone, can be off by more than the
+margin (at ~8k keys, batch 8, MTP stayed at K = 1 for 40 steps, 0.89x no-spec, priced as if it paid).
 A switch of K discards the pending drafts, so K changes only for a gain above `switch_margin`.
 Rank 0 only, no torch: the scheduler asks `choose`, the engine reports each step with `record_step`.
 """
@@ -62,6 +66,10 @@ class SpecPolicy:
         self.draft = LinearCostModel(DRAFT_TERMS)
         self.base_explore_after, self.max_explore_after = explore_after, max_explore_after
         self.explore_after = explore_after
+        self.probe_after = explore_after  # drafting steps before the next K = 0 probe (doubles while drafting pays)
+        self.steps_drafting = 0
+        self._probe_left = 0  # K = 0 probe steps still to run
+        self._resume_k: int | None = None  # the K a probe interrupted: the next choice weighs a switch from it
         self._explored_rows = 0  # rows of the last exploration that switched nothing back on
         self.steps_at_zero = 0
         self.chosen = np.zeros(max_k + 1, dtype=np.int64)  # histogram of chosen K
@@ -70,6 +78,7 @@ class SpecPolicy:
         self._pending_prediction: float | None = None
         self._explore_left = 0  # exploration steps still to run: one proposes, the next verifies
         self._last_k = 0
+        self.last_seconds = np.zeros(max_k + 1)  # [K_max + 1] predicted seconds of the last decode step's choice
 
     # -- choosing ------------------------------------------------------------------------------------------------
     def choose(self, running: list[RunningRow], new_batch: bool = False) -> int:
@@ -87,17 +96,24 @@ class SpecPolicy:
             emitted, seconds = self.expected([RunningRow(r.request_id, r.num_tokens, 1) for r in running])
             return self._commit(int(np.argmax(emitted / np.maximum(seconds, 1e-9))), 0.0)
         emitted, seconds = self.expected(running)
+        self.last_seconds = seconds  # the prices of this choice, for benchmarks' traces
         if not (self.target.ready and self.draft.ready):
             k = self.max_k - int(self.chosen.sum()) % (self.max_k + 1)  # not seeded yet: sweep K to fit costs
             return self._commit(k, float(emitted[k]))
         rate = emitted / np.maximum(seconds, 1e-9)
+        if self._resume_k is not None and not self._probe_left:  # a probe ended: staying at K = 0 needs the margin
+            self._last_k, self._resume_k = self._resume_k, None
         best = argmax = int(np.argmax(rate))
         if rate[best] < (1 + self.switch_margin) * rate[self._last_k]:
             best = self._last_k  # a switch discards the pending drafts: only a clear gain is worth it
         if self._explore_left:
             self._explore_left -= 1
             best = max(best, 1)
+        elif self._probe_left:
+            self._probe_left -= 1
+            best = 0
         elif best == 0:
+            self.steps_drafting, self.probe_after = 0, self.base_explore_after
             self.steps_at_zero += 1
             # acceptance is stale: draft two steps to refresh it, where a K >= 1 could pay at all, or in any case
             # after max_explore_after steps (the fitted costs of drafting, unobserved at K = 0, go stale too)
@@ -114,6 +130,10 @@ class SpecPolicy:
                 # found it did not pay: the back-off ends. A batch's tail (a few rows, where drafting is cheap)
                 # keeps it, or every batch would explore afresh at 16 steps
                 self.explore_after = self.base_explore_after
+            self.steps_drafting += 1
+            if self.steps_drafting >= self.probe_after:  # measure K = 0 again: two steps, as an exploration
+                self.steps_drafting, self._probe_left, self._resume_k, best = 0, 1, best, 0
+                self.probe_after = min(2 * self.probe_after, self.max_explore_after)
         return self._commit(best, float(emitted[best]))
 
     def could_pay(self, running: list[RunningRow], rate_k0: float) -> bool:

@@ -555,6 +555,10 @@ def test_drafts_after_k0_steps_equal_plain_recomputation(tiny_checkpoints, monke
         previous_k = plan.num_spec_tokens
     assert checked_after_zero >= 3, f"only {checked_after_zero} drafts right after a K = 0 step were checked"
     assert sum(n > 0 for n in caught_up) >= 2, f"step 0 never caught up deferred tokens: {caught_up}"
+    metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    assert metrics["tandem:spec_decode_mtp_deferred_step0_tokens"] > 0, "no deferred step 0 counted"
+    # the start-up calibration's catch-ups run through the executor, outside the engine's counters
+    assert 0 < metrics["tandem:spec_decode_mtp_caught_up_tokens"] <= sum(caught_up), "caught-up tokens miscounted"
 
 
 def test_policy_metrics_reach_prometheus():

@@ -18,8 +18,8 @@ Drafting that pays ends the back-off only at no fewer rows than that exploration
 where drafting is cheap, does not restart it for the next full batch).
 While drafting, the policy likewise runs K = 0 for two steps (one verifies without proposing, the next is a plain
 decode) after `explore_after` drafting steps, doubling that wait each time drafting stays best: a run at one K
-measures only that K's step, and K = 0's price, extrapolated from steps long gone, can be off by more than the
-margin (at ~8k keys, batch 8, MTP stayed at K = 1 for 40 steps, 0.89x no-spec, priced as if it paid).
+measures only that K's step, and K = 0's price, extrapolated from steps long gone, can drift past the margin
+with nothing to correct it.
 A switch of K discards the pending drafts, so K changes only for a gain above `switch_margin`.
 Rank 0 only, no torch: the scheduler asks `choose`, the engine reports each step with `record_step`.
 """

@@ -76,7 +76,7 @@ def run_point(model: str, configs: dict[str, dict | None], texts: list[str], arg
                          kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30)) for name, spec in configs.items()}
     best = dict.fromkeys(engines, float("inf"))
     tokens: dict[str, int] = {}
-    traces: dict[str, list[tuple[int, bool, int]]] = {}
+    traces: dict[str, list[Choice]] = {}
     try:
         for llm in engines.values():
             llm.generate(texts, params, use_tqdm=False)  # warm-up: fills the prefix cache, "auto" starts learning
@@ -108,25 +108,24 @@ def run_point(model: str, configs: dict[str, dict | None], texts: list[str], arg
             llm.shutdown()
 
 
-def trace_choices(policy: SpecPolicy) -> list[tuple[int, bool, int]]:
-    """Record (running rows, new batch, chosen K) of every choice the policy makes from now on, and in `PRICES`
-    (predicted seconds at every K, measured seconds) of its decode steps: list appends, so the timed "auto" engine
-    pays nothing measurable for them."""
-    trace: list[tuple[int, bool, int]] = []
-    prices: list[tuple[int, list[float], float]] = []
-    PRICES[id(trace)] = prices
+# one choice of "auto": running rows, new batch, chosen K, predicted seconds at every K, measured step seconds
+Choice = tuple[int, bool, int, list[float], float]
+
+
+def trace_choices(policy: SpecPolicy) -> list[Choice]:
+    """Record every choice the policy makes from now on, with its prices and the step's measured wall time (filled
+    in when the step is reported): list appends, so the timed "auto" engine pays nothing measurable for them."""
+    trace: list[Choice] = []
     choose, record_step = policy.choose, policy.record_step
 
     def traced(running: list[RunningRow], new_batch: bool = False) -> int:
         k = choose(running, new_batch)
-        trace.append((len(running), new_batch, k))
-        if not new_batch:
-            prices.append((k, policy.last_seconds.tolist(), 0.0))
+        trace.append((len(running), new_batch, k, policy.last_seconds.tolist(), float("nan")))
         return k
 
     def recorded(plan, output, step_s: float, draft_s: float, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        if prices and prices[-1][2] == 0.0 and trace and not trace[-1][1]:
-            prices[-1] = (prices[-1][0], prices[-1][1], step_s)
+        if trace:
+            trace[-1] = (*trace[-1][:4], step_s)
         record_step(plan, output, step_s, draft_s, **kwargs)
 
     policy.choose = traced  # type: ignore[method-assign]
@@ -134,28 +133,25 @@ def trace_choices(policy: SpecPolicy) -> list[tuple[int, bool, int]]:
     return trace
 
 
-PRICES: dict[int, list[tuple[int, list[float], float]]] = {}
-
-
-def price_summary(trace: list[tuple[int, bool, int]], batch: int) -> dict[str, list[float]]:
+def price_summary(trace: list[Choice], batch: int) -> dict[str, list[float]]:
     """Over the timed full-batch decode steps: the policy's mean predicted ms at each K, and the mean measured ms
     of the steps it ran at each K (nan where it ran none): whether its ranking of K was right."""
-    full = [p for p, (rows, new_batch, _) in zip(PRICES[id(trace)], [t for t in trace if not t[1]], strict=False)
-            if 2 * rows > batch]
+    full = [(k, prices, step_s) for rows, new_batch, k, prices, step_s in trace if not new_batch and 2 * rows > batch]
     if not full:
         return {}
-    predicted = np.mean([p[1] for p in full], axis=0) * 1e3
-    measured = [float(np.mean([p[2] for p in full if p[0] == k])) * 1e3 if any(p[0] == k for p in full)
-                else float("nan") for k in range(len(predicted))]
-    return {"predicted_ms": [round(float(x), 1) for x in predicted], "measured_ms": [round(x, 1) for x in measured]}
+    predicted = np.mean([prices for _, prices, _ in full], axis=0) * 1e3
+    measured = [np.mean([s for k, _, s in full if k == j]) * 1e3 if any(k == j for k, _, _ in full) else float("nan")
+                for j in range(len(predicted))]
+    return {"predicted_ms": [round(float(x), 1) for x in predicted],
+            "measured_ms": [round(float(x), 1) for x in measured]}
 
 
-def k_by_rows(trace: list[tuple[int, bool, int]], batch: int) -> dict[str, list[int]]:
+def k_by_rows(trace: list[Choice], batch: int) -> dict[str, list[int]]:
     """Histograms of chosen K over the timed steps, split by where in a batch they fall: "full" (more than half the
     batch's rows running), "tail" (at most half: the batch's last requests), "new batch" (the step that admits a
     batch). Where a drafter's K = 0 steps fall says whether the policy misjudges full batches or only tails."""
     out: dict[str, list[int]] = {"full": [], "tail": [], "new batch": []}
-    for rows, new_batch, k in trace:
+    for rows, new_batch, k, _, _ in trace:
         part = out["new batch" if new_batch else "full" if 2 * rows > batch else "tail"]
         part.extend([0] * (k + 1 - len(part)))
         part[k] += 1

@@ -77,7 +77,7 @@ class LinearCostModel:
     ridge: float = 1e-4
     refresh_every: int = 8
     num_observations: int = 0
-    # the last observation, when it was clipped: its features and the seconds cut off
+    # the last observation, when it was clipped: its weighted features and the seconds cut off
     _clipped: tuple[np.ndarray, float] | None = field(init=False, default=None)
     gram: np.ndarray = field(init=False)  # [F, F] sum of w x x^T
     moment: np.ndarray = field(init=False)  # [F] sum of w x y

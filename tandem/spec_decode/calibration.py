@@ -1,10 +1,17 @@
 """Seeds the "auto" K policy's cost models at start-up with a few synthetic steps through the real executor.
 
 Before the first request, the engine runs greedy steps on random prompts in free KV blocks (nothing is cached
-yet, so nothing can be hit later; the slots are overwritten by real requests): one prefill of every synthetic
-row, then decode steps verifying and proposing each K = K_max .. 0, with all rows and with one, twice. Each step's
-rank-0 wall time and drafter time train the cost models exactly as a served step does (acceptance of random
-prompts is not learned). Then the draft-prefill prediction of both PCP draft modes is logged.
+yet, so nothing can be hit later; the slots are overwritten by real requests): a few short rows (64 tokens) and,
+where the KV pool, the step budget and max_model_len allow, one long row (up to LONG_CONTEXT tokens), prefilled,
+then decode steps verifying and proposing each K = K_max .. 0 with all rows, with one short row and with the long
+row alone, twice. Each step's rank-0 wall time and drafter time train the cost models exactly as a served step
+does (acceptance of random prompts is not learned). Then the draft-prefill prediction of both PCP draft modes is
+logged.
+
+The long row is what tells a cost per row from a cost per key of context: at one context length the two are
+collinear, and the fit may put a decode's cost on either. After a calibration at 64 tokens only, n-gram's
+verification at 8 rows x ~1,000 keys was priced 179 ms against 17 ms measured (per verifying key 2e-5 s), and
+~150 served steps passed before that was unlearnt.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from tandem.spec_decode.policy import SpecPolicy
 logger = logging.getLogger("tandem")
 GREEDY = RowSampling(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, num_logprobs=None)
 NUM_REPEATS = 2
+LONG_CONTEXT = 1024  # the long calibration row's prompt (bounded by the step budget and max_model_len / 2)
 
 
 @dataclass
@@ -37,23 +45,38 @@ def calibrate(policy: SpecPolicy, execute: Callable[[StepPlan], StepOutput], con
               num_blocks: int) -> list[str]:
     """Run the synthetic steps; return their request ids, for the next real plan to free on every rank."""
     k_max, block_size = policy.max_k, config.cache_config.block_size
-    max_len = config.model_config.max_model_len
-    num_rows = min(4, config.scheduler_config.max_num_seqs)
-    prompt_len = min(64, config.scheduler_config.max_num_batched_tokens // num_rows, max_len // 4)
-    # every decode step grows a row by at most K_max + 1 tokens; the drafter writes K_max slots past it
-    span = prompt_len + 2 * NUM_REPEATS * (k_max + 1) ** 2 + config.speculative_config.num_lookahead_slots + 1
-    blocks_per_row = -(-span // block_size)
-    num_rows = min(num_rows, num_blocks // blocks_per_row)
-    if num_rows < 1 or prompt_len < 2 or span > max_len:
+    max_len, max_seqs = config.model_config.max_model_len, config.scheduler_config.max_num_seqs
+    budget = config.scheduler_config.max_num_batched_tokens
+    # a row decodes in at most two subsets a repeat, each step growing it by at most K_max + 1 tokens; the drafter
+    # writes K_max slots past it
+    growth = 2 * NUM_REPEATS * (k_max + 1) ** 2 + config.speculative_config.num_lookahead_slots + 1
+    num_short = min(4, max_seqs)
+    prompt_len = min(64, budget // num_short, max_len // 4)
+    long_len = min(LONG_CONTEXT, budget, max_len // 2 - growth)
+    short_blocks, long_blocks = -(-(prompt_len + growth) // block_size), -(-(long_len + growth) // block_size)
+    with_long = max_seqs > 1 and long_len >= 4 * prompt_len and short_blocks + long_blocks <= num_blocks
+    if with_long:
+        num_short = min(num_short, max_seqs - 1)
+    num_short = min(num_short, (num_blocks - with_long * long_blocks) // short_blocks)
+    if num_short < 1 or prompt_len < 2 or prompt_len + growth > max_len:
         logger.info('num_speculative_tokens "auto": no room to calibrate; the first steps sweep K instead')
         return []
     rng = random.Random(0)
     vocab = int(config.model_config.get("vocab_size") or 2)
-    rows = [_Row(f"calibration-{i}", list(range(i * blocks_per_row, (i + 1) * blocks_per_row)),
-                 [rng.randrange(vocab) for _ in range(prompt_len)]) for i in range(num_rows)]
-    _run(policy, execute, rows, k_max, prefill=True)
+    lengths = [prompt_len] * num_short + ([long_len] if with_long else [])
+    rows, first_block = [], 0
+    for i, length in enumerate(lengths):
+        n = -(-(length + growth) // block_size)
+        rows.append(_Row(f"calibration-{i}", list(range(first_block, first_block + n)),
+                         [rng.randrange(vocab) for _ in range(length)]))
+        first_block += n
+    short, long = rows[:num_short], rows[num_short:]
+    _run(policy, execute, short, k_max, prefill=True)
+    if long:
+        _run(policy, execute, long, k_max, prefill=True)
+    subsets = [rows, short[:1]] + ([long] if long else [])
     for _ in range(NUM_REPEATS):
-        for subset in (rows, rows[:1]):
+        for subset in subsets:
             for k in range(k_max, -1, -1):
                 _run(policy, execute, subset, k, prefill=False)
     _log_draft_prefill(policy, config)

@@ -29,6 +29,7 @@ from tandem.spec_decode.cost_model import (
     StepShape,
     draft_prefill_features,
     draft_prefill_terms_from_target,
+    duplicate_keys,
     fit_prefill_terms,
     predict_draft_prefill_s,
 )
@@ -719,3 +720,31 @@ def test_calibration_fits_small_engines(monkeypatch: pytest.MonkeyPatch) -> None
         assert all(r.num_computed_tokens + len(r.token_ids) <= max_len for p in plans for r in p.rows)
         assert not used or max(used) < blocks
         assert bool(ids) == bool(plans)
+
+
+def test_duplicate_keys_count_a_shared_prefix_once_per_extra_row() -> None:
+    """Rows whose tables start with the same blocks read those keys once (cascade attention): every row after the
+    first of its kind adds its leading equal whole blocks within its context; a different first block, or a
+    context ending inside the shared blocks, counts only what is shared and seen."""
+    prefix = list(range(10, 50))  # 40 shared blocks of 16 keys
+    rows = [(prefix + [100, 101], 660), (prefix + [200], 650), (prefix[:20] + [300], 330), ([7, 8], 30), ([], 0)]
+    assert duplicate_keys(rows, 16) == 40 * 16 + 20 * 16
+    assert duplicate_keys([(prefix, 100)] * 3, 16) == 2 * (100 // 16) * 16  # the context ends inside the prefix
+    assert duplicate_keys([(list(range(512)), 8192), (list(range(511)) + [9999], 8192)], 16) == 511 * 16
+
+
+def test_shared_prefix_prices_verification_once() -> None:
+    """The policy's verifying and sampling contexts of 8 decode rows behind a shared 700-key prefix are what
+    step_shape measures when such a step runs: the prefix once, each row's own keys after it."""
+    policy = SpecPolicy(2)
+    policy.target.coef = np.zeros(len(TARGET_TERMS))
+    policy.target.coef[TARGET_TERMS.index("per_verifying_context")] = 1.0
+    prefix = list(range(44))  # 704 keys
+    running = [RunningRow(f"r{i}", 1000, 1, prefix + [100 + 3 * i, 101 + 3 * i]) for i in range(8)]
+    _, seconds = policy.expected(running)
+    unique = 8 * 1000 - 7 * 44 * 16
+    assert seconds[1] == pytest.approx(unique * policy.fill.estimates(["r0"])[0, 0], rel=1e-9)
+    rows = [ScheduledRow(r.request_id, [1, 2], 999, list(r.block_ids), False, GREEDY, num_draft_tokens=1)
+            for r in running]
+    out = StepOutput([[1]] * 8, [None] * 8)
+    assert step_shape(StepPlan(rows, 1), out).verifying_context == 8 * 1000 - 7 * 44 * 16

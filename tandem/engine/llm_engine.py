@@ -57,7 +57,8 @@ class LLMEngine:
         self.spec_stats = SpecDecodeStats()
         defers = defers_step0(self.spec.method, self.draft_mode.mode,
                               config.parallel_config.prefill_context_parallel_size)
-        self.policy = (SpecPolicy(self.spec.max_k, defers_step0=defers, max_deferred_tokens=MAX_DEFERRED_TOKENS)
+        self.policy = (SpecPolicy(self.spec.max_k, defers_step0=defers, max_deferred_tokens=MAX_DEFERRED_TOKENS,
+                                  block_size=config.cache_config.block_size)
                        if self.spec.enabled and self.spec.auto else None)
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, config.model_config, num_blocks,
                                    self.spec, self.policy, num_kv_pools=pools)

@@ -98,8 +98,8 @@ class Scheduler:
 
     def _num_spec_tokens(self, requests: list[Request], new_batch: bool = False) -> int:
         if self.policy is not None:
-            return self.policy.choose([RunningRow(r.request_id, r.num_tokens, r.num_tokens - r.num_computed_tokens)
-                                       for r in requests], new_batch)
+            return self.policy.choose([RunningRow(r.request_id, r.num_tokens, r.num_tokens - r.num_computed_tokens,
+                                                  r.block_ids) for r in requests], new_batch)
         return self.spec.num_tokens_for_batch(len(requests)) if self.spec.enabled else 0
 
     def _drafts(self, req: Request, k: int, budget: int) -> list[int]:

@@ -27,6 +27,7 @@ Rank 0 only, no torch: the scheduler asks `choose`, the engine reports each step
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +42,7 @@ from tandem.spec_decode.cost_model import (
     LinearCostModel,
     StepShape,
     attended_keys,
+    duplicate_keys,
 )
 
 
@@ -51,12 +53,13 @@ class RunningRow:
     request_id: str
     num_tokens: int
     num_new_tokens: int  # 1 for a decode (plus drafts), more for an unfinished prompt
+    block_ids: Sequence[int] = ()  # its KV blocks (rows sharing leading blocks read those keys once)
 
 
 class SpecPolicy:
     def __init__(self, max_k: int, explore_after: int = 16, max_explore_after: int = 256, switch_margin: float = 0.03,
-                 defers_step0: bool = False, max_deferred_tokens: int = 256):
-        self.max_k, self.switch_margin = max_k, switch_margin
+                 defers_step0: bool = False, max_deferred_tokens: int = 256, block_size: int = 16):
+        self.max_k, self.switch_margin, self.block_size = max_k, switch_margin, block_size
         # MTP's step 0 is deferred at K = 0 (mtp_catch_up.py) where every row is a decode or a prompt's last chunk
         # of at most max_deferred_tokens: those steps price no step 0
         self.defers_step0, self.max_deferred_tokens = defers_step0, max_deferred_tokens
@@ -93,7 +96,7 @@ class SpecPolicy:
             # being 0, would cost each new batch a step without drafts)
             if not running or not (self.target.ready and self.draft.ready):
                 return self._commit(self._last_k, 0.0)
-            emitted, seconds = self.expected([RunningRow(r.request_id, r.num_tokens, 1) for r in running])
+            emitted, seconds = self.expected([RunningRow(r.request_id, r.num_tokens, 1, r.block_ids) for r in running])
             return self._commit(int(np.argmax(emitted / np.maximum(seconds, 1e-9))), 0.0)
         emitted, seconds = self.expected(running)
         self.last_seconds = seconds  # the prices of this choice, for benchmarks' traces
@@ -157,11 +160,14 @@ class SpecPolicy:
         fill = self.fill.estimates(ids)  # [R, K_max]
         accept = np.ones_like(fill) if perfect else self.accept.estimates(ids)  # [R, K_max]
         emitted, drafts = expected_lengths_by_k(accept, fill)  # [R, K_max + 1] each
-        verifying, verifying_context = float(fill[:, 0].sum()), float(fill[:, 0] @ context)
+        # a key that several rows read through shared blocks counts once (cost_model.duplicate_keys)
+        dup = duplicate_keys(((r.block_ids, r.num_tokens) for r in decode), self.block_size)
+        verifying = float(fill[:, 0].sum())
+        verifying_context = float(fill[:, 0] @ context) - dup * verifying / max(len(decode), 1)
         seconds = np.empty(self.max_k + 1)
         for k in range(self.max_k + 1):
             shape = StepShape(len(running), round(prompt_tokens + len(decode) + drafts[:, k].sum()),
-                              prompt_keys + float((1 + drafts[:, k]) @ context), len(decode), int(context.sum()),
+                              prompt_keys + float((1 + drafts[:, k]) @ context), len(decode), int(context.sum()) - dup,
                               verifying if k else 0.0, verifying_context if k else 0.0, float(emitted[:, k].sum()))
             draft = self.draft.predict(shape.draft_features(k, k > 0 or long_prompt or not self.defers_step0))
             seconds[k] = self.target.predict(shape.target_features()) + draft
@@ -177,7 +183,7 @@ class SpecPolicy:
     def record_step(self, plan: StepPlan, output: StepOutput, step_s: float, draft_s: float,
                     learn_acceptance: bool = True) -> None:
         """A step ran: `step_s` its whole wall time on rank 0, `draft_s` the drafter's share of it."""
-        shape = step_shape(plan, output)
+        shape = step_shape(plan, output, self.block_size)
         self.target.observe(shape.target_features(), max(step_s - draft_s, 0.0))
         step0 = STEP0_DEFERRED not in output.draft_stats  # the drafter says whether it ran its per-step pass
         # MTP's catch-up ran step 0 over deferred tokens too: they are step-0 tokens of this step's draft pass
@@ -217,13 +223,15 @@ class SpecPolicy:
         ]
 
 
-def step_shape(plan: StepPlan, output: StepOutput) -> StepShape:
+def step_shape(plan: StepPlan, output: StepOutput, block_size: int = 16) -> StepShape:
     rows = plan.rows
     keys = sum(attended_keys(len(r.token_ids), r.num_computed_tokens) for r in rows)
     sampling = [r for r in rows if r.sampling is not None]
-    context = sum(r.num_computed_tokens + len(r.token_ids) for r in sampling)
+    context = sum(r.num_computed_tokens + len(r.token_ids) for r in sampling) - duplicate_keys(
+        ((r.block_ids, r.num_computed_tokens + len(r.token_ids)) for r in sampling), block_size)
     verifying = [r for r in sampling if r.num_draft_tokens]
-    verifying_context = sum(r.num_computed_tokens + 1 for r in verifying)
+    verifying_context = sum(r.num_computed_tokens + 1 for r in verifying) - duplicate_keys(
+        ((r.block_ids, r.num_computed_tokens + 1) for r in verifying), block_size)
     emitted = sum(map(len, output.sampled_token_ids))
     return StepShape(len(rows), plan.num_tokens, keys, len(sampling), context, len(verifying), verifying_context,
                      emitted)

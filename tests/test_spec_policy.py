@@ -748,3 +748,42 @@ def test_shared_prefix_prices_verification_once() -> None:
             for r in running]
     out = StepOutput([[1]] * 8, [None] * 8)
     assert step_shape(StepPlan(rows, 1), out).verifying_context == 8 * 1000 - 7 * 44 * 16
+
+
+@pytest.mark.parametrize("first_draft_s,backs_off", [(0.005, False), (0.007, True)])
+def test_a_near_tie_is_explored_on_schedule_and_a_clear_loss_backs_off(first_draft_s, backs_off):
+    """At K = 0 with drafting priced within NEAR_TIE of it (a K >= 1 whose terms settle late, priced high, looks
+    like this), an exploration comes every explore_after steps; priced clearly below it, the wait doubles after
+    each (16, 32, 64, ...). The costs are fixed here (no step is recorded), so only the schedule moves."""
+    from tandem.spec_decode.policy import NEAR_TIE
+
+    policy = SpecPolicy(1)
+    for model, coef in ((policy.target, {"base": 0.010, "per_token": 0.001}), (policy.draft, {"first": first_draft_s})):
+        model.coef = np.array([coef.get(t, 0.0) for t in model.terms])
+        model.num_observations = model.refresh_every
+    running = [RunningRow("r", 100, 1)]
+    emitted, seconds = policy.expected(running)
+    rate = emitted / seconds
+    assert (rate[1] >= NEAR_TIE * rate[0]) != backs_off and rate[1] < rate[0]
+    policy._last_k = 0
+    explored = [i for i in range(120) if policy.choose(running)]
+    starts = [i for i in explored if i - 1 not in explored]  # an exploration is two steps at K = 1
+    gaps = np.diff(starts).tolist()
+    if backs_off:
+        assert len(starts) == 3 and gaps[1] >= 1.9 * gaps[0] >= 1.9 * 16, explored  # 16, then 32, 64 steps
+    else:
+        assert len(starts) >= 6 and max(gaps) == min(gaps), explored
+
+
+@pytest.mark.parametrize("first_draft_s,k", [(0.0039, 0), (0.003, 1)])
+def test_a_new_batch_starts_drafting_only_for_the_switch_margin(first_draft_s, k):
+    """A new batch's K is priced at acceptance learnt on the last batch (its tail, often): drafting starts there
+    only when it beats K = 0 by the switch margin (a 32-row batch started at K = 1 on a 1.003 edge paid ~2x for
+    its first full steps)."""
+    policy = SpecPolicy(1)
+    for model, coef in ((policy.target, {"base": 0.010, "per_token": 0.001}), (policy.draft, {"first": first_draft_s})):
+        model.coef = np.array([coef.get(t, 0.0) for t in model.terms])
+        model.num_observations = model.refresh_every
+    emitted, seconds = policy.expected([RunningRow("r", 100, 1)])
+    assert (emitted[1] / seconds[1]) / (emitted[0] / seconds[0]) > 1.0  # the argmax alone would draft in both
+    assert policy.choose([RunningRow("r", 100, 100)], new_batch=True) == k

@@ -9,7 +9,8 @@ at K = 0 to the next step that drafts (mtp_catch_up.py). The draft model prices 
 
 Acceptance is observed only while drafting, so after `explore_after` steps at K = 0 the policy drafts at K = 1
 for two steps (one proposes, the next verifies) to refresh it; each exploration that does not switch drafting back
-on doubles the wait (up to `max_explore_after`), so a drafter that never pays costs two cheap steps in that many.
+on doubles the wait (up to `max_explore_after`), so a drafter that never pays costs two cheap steps in that many,
+unless drafting was priced within NEAR_TIE of K = 0 (a near tie is explored every `explore_after` steps).
 An exploration runs only where drafting could pay at all: some K >= 1 beats K = 0 with every draft accepted
 (at long contexts and large batches verification tokens cost more than even a perfect drafter saves, and an
 exploration there, with MTP's catch-up of every deferred token, is pure loss); until then the wait stays due, up to
@@ -44,6 +45,12 @@ from tandem.spec_decode.cost_model import (
     attended_keys,
     duplicate_keys,
 )
+
+# an exploration while the best K >= 1 is priced within this fraction of K = 0's rate does not double the wait for
+# the next: two steps that lose at most ~10% each, every explore_after steps, cost ~1% of the rate, and a near tie
+# is where a K >= 1 priced high early (its terms settle while it runs) most needs new observations (GSM8K batch 1,
+# MTP: K = 1 priced 17.5 ms on average against 13.8 measured, and "auto" kept K = 0 at 0.92x no-spec)
+NEAR_TIE = 0.9
 
 
 @dataclass(frozen=True)
@@ -97,7 +104,11 @@ class SpecPolicy:
             if not running or not (self.target.ready and self.draft.ready):
                 return self._commit(self._last_k, 0.0)
             emitted, seconds = self.expected([RunningRow(r.request_id, r.num_tokens, 1, r.block_ids) for r in running])
-            return self._commit(int(np.argmax(emitted / np.maximum(seconds, 1e-9))), 0.0)
+            rate = emitted / np.maximum(seconds, 1e-9)
+            best = int(np.argmax(rate))
+            # drafting starts only for the switch margin: the acceptance it is priced at is the last batch's (its
+            # tail's, often), and a batch of 32 that started at K = 1 on it paid ~2x a step until it learnt better
+            return self._commit(best if rate[best] >= (1 + self.switch_margin) * rate[0] else 0, 0.0)
         emitted, seconds = self.expected(running)
         self.last_seconds = seconds  # the prices of this choice, for benchmarks' traces
         if not (self.target.ready and self.draft.ready):
@@ -123,7 +134,8 @@ class SpecPolicy:
             if self.steps_at_zero >= self.max_explore_after or (
                     self.steps_at_zero >= self.explore_after and self.could_pay(running, rate[0])):
                 self.steps_at_zero, self._explore_left = 0, 1
-                self.explore_after = min(2 * self.explore_after, self.max_explore_after)
+                if rate[1:].max() < NEAR_TIE * rate[0]:  # a near tie keeps the wait: exploring it costs little
+                    self.explore_after = min(2 * self.explore_after, self.max_explore_after)
                 self._explored_rows = len(running)
                 best = 1
         else:  # drafting pays, and refreshes the acceptance estimates as it goes

@@ -66,24 +66,30 @@ def duplicate_keys(rows: Iterable[tuple[Sequence[int], int]], block_size: int) -
     """Keys read by more than one row, counted once per extra row: rows = (block ids, context tokens). Rows whose
     tables start with the same block share their leading equal blocks (prefix-cache hits), whole blocks within
     each row's context; each row is compared with the first row of its kind."""
-    first: dict[int, Sequence[int]] = {}
+    first: dict[int, tuple[Sequence[int], int]] = {}  # first block -> (first row's blocks, last common length)
     dup = 0
     for blocks, context in rows:
         if not blocks:
             continue
         if blocks[0] in first:
-            dup += _common_prefix(first[blocks[0]], blocks, context // block_size) * block_size
+            ref, guess = first[blocks[0]]
+            common = _common_prefix(ref, blocks, context // block_size, guess)
+            first[blocks[0]] = ref, common
+            dup += common * block_size
         else:
-            first[blocks[0]] = blocks
+            first[blocks[0]] = blocks, 0
     return dup
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
-    """Leading equal items of a and b, at most `limit`: a bisection over slice comparisons (each runs in C), so
-    an 8k-token row's 512 blocks cost ~10 comparisons, not 512 Python steps."""
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int, guess: int = 0) -> int:
+    """Leading equal items of a and b, at most `limit`: the rows of a batch behind one prefix share the same
+    length, so the last row's answer (`guess`) is checked first (one slice comparison, in C); else a bisection
+    over slice comparisons, so an 8k-token row's 512 blocks cost ~10 comparisons, not 512 Python steps."""
     lo, hi = 0, min(len(a), len(b), limit)
     if a[:hi] == b[:hi]:
         return hi
+    if 0 < guess < hi and a[guess] != b[guess] and a[:guess] == b[:guess]:
+        return guess
     while hi - lo > 1:  # a[:lo] == b[:lo], a[:hi] != b[:hi]
         mid = (lo + hi) // 2
         if a[:mid] == b[:mid]:
@@ -129,6 +135,8 @@ class LinearCostModel:
         a row means the model is wrong, not the machine (a term the data never exercised, e.g. draft decodes at an
         8k context fitted on the 64-token calibration, priced K = 3 at 0.6x its cost): both count in full and the
         model is re-solved at once."""
+        if not features.any():  # no term can explain it (MTP's deferred step 0: a few copies), nothing to fit
+            return
         bound = OUTLIER_CLIP * self.predict(features) + 1e-4
         outlier = self.ready and seconds > bound
         kept = bound if outlier else seconds

@@ -279,6 +279,24 @@ def test_position_rates_shrink_a_new_request_to_the_global_estimate():
     assert rates.estimate("a") == pytest.approx(g)
 
 
+def test_global_rates_fade_with_new_evidence_not_with_steps_without_drafts():
+    """Steps at K = 0 observe nothing: the global estimate a new request is priced at stays where the last drafts
+    left it (decayed per step regardless, 100 idle steps brought 0.9 down to 0.55, near the 0.5 prior); steps
+    that observe still fade the old evidence, so a drifting rate is followed."""
+    rates = PositionRates(1)
+    for _ in range(50):
+        rates.observe("a", 1, 1)
+        rates.end_step()
+    before = rates.global_estimate()[0]
+    for _ in range(100):
+        rates.end_step()
+    assert rates.global_estimate()[0] == before > 0.9
+    for _ in range(100):
+        rates.observe("b", 1, 0)
+        rates.end_step()
+    assert rates.global_estimate()[0] < 0.2
+
+
 def test_expected_lengths_of_known_rates():
     accept, fill = np.array([0.5, 0.5, 0.5]), np.array([1.0, 1.0, 0.5])
     assert expected_lengths(accept, fill, 0) == (1.0, 0.0)

@@ -25,13 +25,16 @@ class PositionRates:
     prior: float = 0.5
     prior_weight: float = 2.0
     shrink: float = 8.0
-    # evidence fades, so estimates follow text whose predictability drifts: the global counts per step, a
-    # request's own per observation of it
+    # evidence fades, so estimates follow text whose predictability drifts: the global counts per step that
+    # brings new evidence, a request's own per observation of it. A step without drafts (K = 0) leaves the global
+    # estimate as it was: decayed by time alone, 100 such steps (0.98^100 = 0.13) pulled it back to the prior,
+    # every new request was priced at it, and drafting that paid by 5-10% at batch 1 looked like a loss
     decay: float = 0.98
     request_decay: float = 0.95
     global_succ: np.ndarray = field(init=False)  # [max_positions]
     global_trials: np.ndarray = field(init=False)  # [max_positions]
     per_request: dict[str, np.ndarray] = field(init=False, default_factory=dict)  # id -> [2, max_positions]
+    _observed: bool = field(init=False, default=False)  # this step brought evidence
 
     def __post_init__(self) -> None:
         self.global_succ = np.zeros(self.max_positions)
@@ -49,10 +52,13 @@ class PositionRates:
         for counts in (own, (self.global_succ, self.global_trials)):
             counts[0][:num_succeeded] += 1
             counts[1][:observed] += 1
+        self._observed = True
 
     def end_step(self) -> None:
-        self.global_succ *= self.decay
-        self.global_trials *= self.decay
+        if self._observed:
+            self.global_succ *= self.decay
+            self.global_trials *= self.decay
+        self._observed = False
 
     def global_estimate(self) -> np.ndarray:
         """[max_positions] conditional rate per position over every request; each position's prior is the

@@ -768,21 +768,23 @@ def test_shared_prefix_prices_verification_once() -> None:
     assert step_shape(StepPlan(rows, 1), out).verifying_context == 8 * 1000 - 7 * 44 * 16
 
 
-@pytest.mark.parametrize("first_draft_s,backs_off", [(0.005, False), (0.007, True)])
-def test_a_near_tie_is_explored_on_schedule_and_a_clear_loss_backs_off(first_draft_s, backs_off):
+@pytest.mark.parametrize("first_draft_s,defers,backs_off", [(0.005, False, False), (0.007, False, True),
+                                                          (0.005, True, True)])
+def test_a_near_tie_is_explored_on_schedule_and_a_clear_loss_backs_off(first_draft_s, defers, backs_off):
     """At K = 0 with drafting priced within NEAR_TIE of it (a K >= 1 whose terms settle late, priced high, looks
-    like this), an exploration comes every explore_after steps; priced clearly below it, the wait doubles after
-    each (16, 32, 64, ...). The costs are fixed here (no step is recorded), so only the schedule moves."""
+    like this), an exploration comes every explore_after steps; priced clearly below it, or where MTP defers its
+    step 0 (each exploration catches every deferred token up), the wait doubles after each (16, 32, 64, ...). The
+    costs are fixed here (no step is recorded), so only the schedule moves."""
     from tandem.spec_decode.policy import NEAR_TIE
 
-    policy = SpecPolicy(1)
+    policy = SpecPolicy(1, defers_step0=defers)
     for model, coef in ((policy.target, {"base": 0.010, "per_token": 0.001}), (policy.draft, {"first": first_draft_s})):
         model.coef = np.array([coef.get(t, 0.0) for t in model.terms])
         model.num_observations = model.refresh_every
     running = [RunningRow("r", 100, 1)]
     emitted, seconds = policy.expected(running)
     rate = emitted / seconds
-    assert (rate[1] >= NEAR_TIE * rate[0]) != backs_off and rate[1] < rate[0]
+    assert (rate[1] >= NEAR_TIE * rate[0]) != (backs_off and not defers) and rate[1] < rate[0]
     policy._last_k = 0
     explored = [i for i in range(120) if policy.choose(running)]
     starts = [i for i in explored if i - 1 not in explored]  # an exploration is two steps at K = 1

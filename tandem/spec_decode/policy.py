@@ -10,7 +10,8 @@ at K = 0 to the next step that drafts (mtp_catch_up.py). The draft model prices 
 Acceptance is observed only while drafting, so after `explore_after` steps at K = 0 the policy drafts at K = 1
 for two steps (one proposes, the next verifies) to refresh it; each exploration that does not switch drafting back
 on doubles the wait (up to `max_explore_after`), so a drafter that never pays costs two cheap steps in that many,
-unless drafting was priced within NEAR_TIE of K = 0 (a near tie is explored every `explore_after` steps).
+unless drafting was priced within NEAR_TIE of K = 0 (a near tie is explored every `explore_after` steps, except
+where MTP defers its step 0, whose every exploration pays the catch-up of the deferred tokens).
 An exploration runs only where drafting could pay at all: some K >= 1 beats K = 0 with every draft accepted
 (at long contexts and large batches verification tokens cost more than even a perfect drafter saves, and an
 exploration there, with MTP's catch-up of every deferred token, is pure loss); until then the wait stays due, up to
@@ -139,7 +140,9 @@ class SpecPolicy:
             if self.steps_at_zero >= self.max_explore_after or (
                     self.steps_at_zero >= self.explore_after and self.could_pay(running, rate[0])):
                 self.steps_at_zero, self._explore_left = 0, 1
-                if rate[1:].max() < NEAR_TIE * rate[0]:  # a near tie keeps the wait: exploring it costs little
+                # a near tie keeps the wait, exploring it costs little; not where MTP defers step 0: each exploration
+                # catches up every deferred token (at ~8k keys, 8 rows, explored every 16 steps: 0.80x no-spec)
+                if self.defers_step0 or rate[1:].max() < NEAR_TIE * rate[0]:
                     self.explore_after = min(2 * self.explore_after, self.max_explore_after)
                 self._explored_rows = len(running)
                 best = 1

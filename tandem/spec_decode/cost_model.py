@@ -6,7 +6,9 @@ Features of a step (all from the StepPlan, so the scheduler can evaluate a step 
     target: 1, rows, tokens, tokens x context (attended keys: sum over rows of n_i * (start_i + (n_i + 1) / 2)),
             verifying rows and their summed context (a row with drafts takes the multi-token attention path and
             the rejection sampler, a plain decode neither), emitted tokens
-            (the engine's per-token output work; expected emitted when the policy evaluates a step)
+            (the engine's per-token output work; expected emitted when the policy evaluates a step),
+            keys read (sum over rows of start_i + n_i, shared prefix blocks once: a row's cache is read once a
+            layer whatever its number of query tokens)
     draft:  1, tokens, attended keys                   (MTP step 0 / DSpark context: every token of the step;
                                                         0 at a decode step where MTP defers step 0, K = 0)
             [k>0], S [k>0], C [k>0]                    (first draft: sampling / DSpark's block, S rows, C keys)
@@ -16,6 +18,11 @@ The verifying and sampling contexts count a key that several rows read through t
 few-shot prefix, which cascade attention reads once for all of them) once (`duplicate_keys`): priced per row, the
 calibration's per-key cost of one row's verification made 8 rows x ~1,000 keys over a shared 700-key prefix cost
 1.5-1.8x what they did. The attended keys of the target stay per row (their cost is fitted at every step).
+Attended keys are compute (a prompt chunk's n queries against its keys); keys read are memory: a decode row and
+a row verifying K drafts read the same cache, and at a few query rows the absorbed attention is bound by that
+read. With attended keys alone, a verifying row at ~8k keys was priced (K + 1)x a decode's keys, and the fit split
+the difference: K = 0 priced ~20% low and K = 1 ~25% high where n-gram's K = 1 step measured 30.4 ms against a
+plain decode's 30.9 ms.
 
 The fit is least squares on relative error (each step weighted by 1 / seconds^2) with exponential forgetting (old
 steps fade, so the model follows a machine whose load or a workload whose shape drifts), a lone high outlier
@@ -32,7 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 TARGET_TERMS = ("base", "per_row", "per_token", "per_token_context", "per_verifying_row",
-                "per_verifying_context", "per_emitted_token")
+                "per_verifying_context", "per_emitted_token", "per_key_read")
 DRAFT_TERMS = ("base", "per_token", "per_token_context", "first", "first_per_row", "first_per_context",
                "decode", "decode_per_row", "decode_per_context")
 
@@ -49,10 +56,11 @@ class StepShape:
     num_verifying_rows: float = 0.0
     verifying_context: float = 0.0
     num_emitted: float = 0.0
+    keys_read: float = 0.0  # sum over rows of start + n, keys read through shared prefix blocks once
 
     def target_features(self) -> np.ndarray:
         return np.array([1.0, self.num_rows, self.num_tokens, self.num_keys, self.num_verifying_rows,
-                         self.verifying_context, self.num_emitted])
+                         self.verifying_context, self.num_emitted, self.keys_read])
 
     def draft_features(self, k: int, step0: bool = True) -> np.ndarray:
         """`step0`: the drafter runs its pass over every token of the step (False: MTP deferred it, K = 0)."""
@@ -181,18 +189,20 @@ class LinearCostModel:
 
 def prefill_features(prompt_len: int, chunk: int) -> np.ndarray:
     """Target features of prefilling one prompt in chunks of at most `chunk` tokens, summed over its steps."""
-    steps = [StepShape(1, min(chunk, prompt_len - start), attended_keys(min(chunk, prompt_len - start), start), 0, 0)
-             for start in range(0, prompt_len, chunk)]
+    steps = [StepShape(1, n, attended_keys(n, start), 0, 0, keys_read=start + n)
+             for start in range(0, prompt_len, chunk) for n in [min(chunk, prompt_len - start)]]
     return sum((s.target_features() for s in steps), np.zeros(len(TARGET_TERMS)))
 
 
 def fit_prefill_terms(samples: list[tuple[int, float]], chunk: int) -> LinearCostModel:
     """The target's per-token and per-token-context terms from measured prefills (prompt length, seconds) of at
-    least two lengths; the per-step terms are negligible against a long prefill and left out."""
+    least two lengths; the per-step terms and the keys read (negligible against a long prefill's compute) are left
+    out."""
     model = LinearCostModel(TARGET_TERMS, forgetting=1.0, ridge=1e-9)
     for prompt_len, seconds in samples:
         features = prefill_features(prompt_len, chunk)
         features[:2] = 0.0
+        features[TARGET_TERMS.index("per_key_read")] = 0.0
         model.observe(features, seconds)
     model.refit()
     return model

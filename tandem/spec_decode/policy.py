@@ -184,11 +184,16 @@ class SpecPolicy:
         dup = duplicate_keys(((r.block_ids, r.num_tokens) for r in decode), self.block_size)
         verifying = float(fill[:, 0].sum())
         verifying_context = float(fill[:, 0] @ context) - dup * verifying / max(len(decode), 1)
+        # keys read: every row's context once (a prompt chunk's start + n, a decode row's context and its drafts)
+        read = sum(r.num_tokens for r in running) - (
+            dup if len(decode) == len(running) else duplicate_keys(((r.block_ids, r.num_tokens) for r in running),
+                                                                   self.block_size))
         seconds = np.empty(self.max_k + 1)
         for k in range(self.max_k + 1):
             shape = StepShape(len(running), round(prompt_tokens + len(decode) + drafts[:, k].sum()),
                               prompt_keys + float((1 + drafts[:, k]) @ context), len(decode), int(context.sum()) - dup,
-                              verifying if k else 0.0, verifying_context if k else 0.0, float(emitted[:, k].sum()))
+                              verifying if k else 0.0, verifying_context if k else 0.0, float(emitted[:, k].sum()),
+                              read + float(drafts[:, k].sum()))
             draft = self.draft.predict(shape.draft_features(k, k > 0 or long_prompt or not self.defers_step0))
             seconds[k] = self.target.predict(shape.target_features()) + draft
         return emitted.sum(axis=0), seconds
@@ -253,5 +258,7 @@ def step_shape(plan: StepPlan, output: StepOutput, block_size: int = 16) -> Step
     verifying_context = sum(r.num_computed_tokens + 1 for r in verifying) - duplicate_keys(
         ((r.block_ids, r.num_computed_tokens + 1) for r in verifying), block_size)
     emitted = sum(map(len, output.sampled_token_ids))
+    read = sum(r.num_computed_tokens + len(r.token_ids) for r in rows) - duplicate_keys(
+        ((r.block_ids, r.num_computed_tokens + len(r.token_ids)) for r in rows), block_size)
     return StepShape(len(rows), plan.num_tokens, keys, len(sampling), context, len(verifying), verifying_context,
-                     emitted)
+                     emitted, read)

@@ -22,13 +22,19 @@ from tandem.sampling_params import SamplingParams
 from tandem.spec_decode.calibration import calibrate
 from tandem.spec_decode.cost_model import STEP0_DEFERRED
 from tandem.spec_decode.draft_mode import resolve_draft_mode
+from tandem.spec_decode.dspark_proposer import MAX_DEFERRED_CONTEXT_TOKENS
 from tandem.spec_decode.metrics import SpecDecodeStats
-from tandem.spec_decode.mtp_catch_up import MAX_DEFERRED_TOKENS, defers_step0
+from tandem.spec_decode.mtp_catch_up import MAX_DEFERRED_TOKENS, defers_at_k0
 from tandem.spec_decode.policy import SpecPolicy
 from tandem.tokenizer import Tokenizer
 
 logger = logging.getLogger("tandem")
 LOG_INTERVAL_S = 10.0
+DEFERRAL_METRICS = {  # drafter -> (deferred tokens, caught-up tokens) counters
+    "mtp": ("tandem:spec_decode_mtp_deferred_step0_tokens", "tandem:spec_decode_mtp_caught_up_tokens"),
+    "dspark": ("tandem:spec_decode_dspark_deferred_context_tokens",
+               "tandem:spec_decode_dspark_caught_up_context_tokens"),
+}
 
 
 class LLMEngine:
@@ -55,9 +61,11 @@ class LLMEngine:
             logger.info("speculative decoding: %s, draft mode %s (%s)", self.spec.method, self.draft_mode.mode,
                         self.draft_mode.reason)
         self.spec_stats = SpecDecodeStats()
-        defers = defers_step0(self.spec.method, self.draft_mode.mode,
+        defers = defers_at_k0(self.spec.method, self.spec.auto, self.draft_mode.mode,
                               config.parallel_config.prefill_context_parallel_size)
-        self.policy = (SpecPolicy(self.spec.max_k, defers_step0=defers, max_deferred_tokens=MAX_DEFERRED_TOKENS,
+        mtp = self.spec.method == "mtp"
+        self.policy = (SpecPolicy(self.spec.max_k, defers_step0=defers, costly_catch_up=mtp,
+                                  max_deferred_tokens=MAX_DEFERRED_TOKENS if mtp else MAX_DEFERRED_CONTEXT_TOKENS,
                                   block_size=config.cache_config.block_size)
                        if self.spec.enabled and self.spec.auto else None)
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, config.model_config, num_blocks,
@@ -218,12 +226,18 @@ class LLMEngine:
             Gauge("tandem:spec_decode_mean_acceptance_length", st.mean_acceptance_length),
             *([Gauge("tandem:spec_decode_dspark_mean_confidence", st.mean_confidence)]
               if "confidence_sum" in st.draft_stats else []),
-            # "auto" with MTP: tokens whose step 0 waited for a drafting step (K = 0), and those it then caught up
-            *([Counter("tandem:spec_decode_mtp_deferred_step0_tokens", st.draft_stats.get(STEP0_DEFERRED, 0.0)),
-               Counter("tandem:spec_decode_mtp_caught_up_tokens", st.draft_stats.get("catch_up_tokens", 0.0))]
-              if self.policy is not None and self.policy.defers_step0 else []),
+            *self._deferral_metrics(),
             *(self.policy.metrics() if self.policy is not None else []),
         ]
+
+    def _deferral_metrics(self) -> list[Metric]:
+        """"auto" with MTP: tokens whose step 0 waited for a drafting step (K = 0), and those it then caught up;
+        with DSpark: tokens whose context write waited, and those written with a later step's."""
+        names = DEFERRAL_METRICS.get(self.spec.method or "")
+        if names is None or self.policy is None or not self.policy.defers_step0:
+            return []
+        stats = self.spec_stats.draft_stats
+        return [Counter(names[0], stats.get(STEP0_DEFERRED, 0.0)), Counter(names[1], stats.get("catch_up_tokens", 0.0))]
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -12,6 +12,13 @@ The long row is what tells a cost per row from a cost per key of context: at one
 collinear, and the fit may put a decode's cost on either. After a calibration at 64 tokens only, n-gram's
 verification at 8 rows x ~1,000 keys was priced 179 ms against 17 ms measured (per verifying key 2e-5 s), and
 ~150 served steps passed before that was unlearnt.
+
+Branch rows (up to 3, where max_num_seqs and the pool allow) start with the long row's whole prompt blocks, as
+requests behind one cached prefix do, and decode with it as one more subset: their keys are read once (cascade
+attention) but attended by every row's queries, which is what tells the cost of a key read (memory) from the cost
+of a key attended (compute). One row alone cannot: a decode reads and attends each key once, and a verification's
+extra attended keys cost too little at 1,024 keys to be seen through the noise. Without them the fit priced a
+decode of 8 rows behind an ~8k shared prefix ~20% low.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tandem.attention.metadata import CASCADE_MIN_KEYS
 from tandem.config import EngineConfig
 from tandem.engine.step_plan import RowSampling, ScheduledRow, StepOutput, StepPlan
 from tandem.spec_decode.cost_model import draft_prefill_terms_from_target, predict_draft_prefill_s
@@ -31,6 +39,7 @@ logger = logging.getLogger("tandem")
 GREEDY = RowSampling(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, num_logprobs=None)
 NUM_REPEATS = 2
 LONG_CONTEXT = 1024  # the long calibration row's prompt (bounded by the step budget and max_model_len / 2)
+MAX_BRANCHES = 3  # rows behind the long row's prompt blocks
 
 
 @dataclass
@@ -39,6 +48,7 @@ class _Row:
     block_ids: list[int]
     tokens: list[int]  # prompt + emitted; all but the last are computed after the prefill
     drafts: list[int] = field(default_factory=list)
+    cached: int = 0  # leading prompt tokens already in (shared) blocks: the prefill starts after them
 
 
 def calibrate(policy: SpecPolicy, execute: Callable[[StepPlan], StepOutput], config: EngineConfig,
@@ -58,6 +68,12 @@ def calibrate(policy: SpecPolicy, execute: Callable[[StepPlan], StepOutput], con
     if with_long:
         num_short = min(num_short, max_seqs - 1)
     num_short = min(num_short, (num_blocks - with_long * long_blocks) // short_blocks)
+    # branches of the long row: its whole prompt blocks, then a short row's worth of their own
+    # (where they share enough keys for the runner's cascade attention, and their prefill fits one step)
+    shared = long_len // block_size  # whole blocks of the long prompt: its decodes never write them
+    num_branches = 0 if not with_long or shared * block_size < CASCADE_MIN_KEYS else max(0, min(
+        MAX_BRANCHES, max_seqs - 1 - num_short, budget // prompt_len,
+        (num_blocks - long_blocks - num_short * short_blocks) // short_blocks))
     if num_short < 1 or prompt_len < 2 or prompt_len + growth > max_len:
         logger.info('num_speculative_tokens "auto": no room to calibrate; the first steps sweep K instead')
         return []
@@ -71,16 +87,28 @@ def calibrate(policy: SpecPolicy, execute: Callable[[StepPlan], StepOutput], con
                          [rng.randrange(vocab) for _ in range(length)]))
         first_block += n
     short, long = rows[:num_short], rows[num_short:]
+    branches = []
+    if long and num_branches:
+        for i in range(num_branches):
+            n = -(-(prompt_len + growth) // block_size)
+            branches.append(_Row(f"calibration-branch-{i}", long[0].block_ids[:shared]
+                                 + list(range(first_block, first_block + n)),
+                                 long[0].tokens[:shared * block_size] + [rng.randrange(vocab)
+                                                                         for _ in range(prompt_len)],
+                                 cached=shared * block_size))
+            first_block += n
     _run(policy, execute, short, k_max, prefill=True)
     if long:
         _run(policy, execute, long, k_max, prefill=True)
-    subsets = [rows, short[:1]] + ([long] if long else [])
+    if branches:
+        _run(policy, execute, branches, k_max, prefill=True)
+    subsets = [rows, short[:1]] + ([long] if long else []) + ([long + branches] if branches else [])
     for _ in range(NUM_REPEATS):
         for subset in subsets:
             for k in range(k_max, -1, -1):
                 _run(policy, execute, subset, k, prefill=False)
     _log_draft_prefill(policy, config)
-    return [r.request_id for r in rows]
+    return [r.request_id for r in rows + branches]
 
 
 def _run(policy: SpecPolicy, execute: Callable[[StepPlan], StepOutput], rows: list[_Row], k: int,
@@ -88,7 +116,7 @@ def _run(policy: SpecPolicy, execute: Callable[[StepPlan], StepOutput], rows: li
     scheduled = []
     for r in rows:
         if prefill:
-            scheduled.append(ScheduledRow(r.request_id, list(r.tokens), 0, r.block_ids, True, GREEDY))
+            scheduled.append(ScheduledRow(r.request_id, r.tokens[r.cached:], r.cached, r.block_ids, True, GREEDY))
         else:
             drafts = r.drafts[:k]
             scheduled.append(ScheduledRow(r.request_id, [r.tokens[-1], *drafts], len(r.tokens) - 1, r.block_ids,
@@ -96,7 +124,7 @@ def _run(policy: SpecPolicy, execute: Callable[[StepPlan], StepOutput], rows: li
     plan = StepPlan(scheduled, num_spec_tokens=k)
     start = time.perf_counter()
     output = execute(plan)
-    policy.record_step(plan, output, time.perf_counter() - start, output.draft_s, learn_acceptance=False)
+    policy.record_step(plan, output, time.perf_counter() - start, output.draft_s, calibration=True)
     for s, r in enumerate(rows):
         r.tokens += output.sampled_token_ids[s]
         r.drafts = output.draft_token_ids[s] if output.draft_token_ids else []

@@ -11,6 +11,13 @@ when it is recomputed); under PCP each rank projects its own rows and all-gather
     keys = context K/V 0..10 + the block's own; slot j is sampled at position P+2+j = 12+j.
 
 DSpark always runs replicated (DESIGN §5): every rank holds the whole context cache and proposes for every row.
+
+Under "auto" K at PCP size 1 a step that proposes nothing (K = 0) defers its context write (`DeferredContext`): the
+writes of such steps wait, in order, and the next step that drafts writes them all in one projection before its
+block reads the cache (or a step writes them once MAX_DEFERRED_CONTEXT_TOKENS wait). Nothing reads the cache in
+between, and the writes land in the order they would have, so the drafts are the same (a slot written twice
+keeps its later value). At batch 32 the per-step write cost ~0.6 ms of a ~28 ms step at K = 0 (2%); a request that
+finishes at K = 0 still has its context written at the next flush (its blocks may serve a prefix-cache hit).
 """
 
 from __future__ import annotations
@@ -21,14 +28,46 @@ import torch
 from torch import nn
 
 from tandem.models.dspark import ContextPrefix, DSparkDrafter
+from tandem.spec_decode.cost_model import STEP0_DEFERRED
 from tandem.spec_decode.draft_sampling import pack_drafts, sample_draft
 from tandem.spec_decode.dspark_context import make_context_kv_writer
 from tandem.spec_decode.proposer import Proposal, TargetStep
 from tandem.worker.input_batch import InputBatch
 
+MAX_DEFERRED_CONTEXT_TOKENS = 4096  # target tokens whose context write may wait (their layer outputs are kept)
+
+
+class DeferredContext:
+    """The context writes of K = 0 steps, oldest first: each step's target layer outputs, positions and slots."""
+
+    def __init__(self) -> None:
+        self.pieces: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.num_tokens = 0
+
+    def append(self, aux: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        # aux: [T, n * H_t]; positions, slot_mapping: [T] (copies: the runner reuses its input buffers)
+        self.pieces.append((aux, positions.clone(), slot_mapping.clone()))
+        self.num_tokens += aux.shape[0]
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(aux [N, n * H_t], positions [N], slots [N]) of every waiting write, each slot once with its latest
+        value (a freed block handed to another request, or a recomputed prompt, is written twice; one indexed
+        write with repeated slots would keep either), or None."""
+        if not self.pieces:
+            return None
+        aux, positions, slots = (torch.cat(t) for t in zip(*self.pieces, strict=True))
+        self.pieces, self.num_tokens = [], 0
+        unique, inverse = torch.unique(slots, return_inverse=True)
+        if unique.shape[0] < slots.shape[0]:
+            order = torch.arange(slots.shape[0], device=slots.device)
+            last = torch.full_like(unique, -1).scatter_reduce_(0, inverse, order, "amax")  # [U] latest index
+            aux, positions, slots = aux[last], positions[last], slots[last]
+        return aux, positions, slots
+
 
 class DSparkProposer:
-    def __init__(self, drafter: DSparkDrafter, target: nn.Module, block_size: int, probabilistic: bool):
+    def __init__(self, drafter: DSparkDrafter, target: nn.Module, block_size: int, probabilistic: bool,
+                 defers: bool = False):
         self.drafter, self.target, self.block_size, self.probabilistic = drafter, target, block_size, probabilistic
         self.layer_ids = drafter.config.target_layer_ids
         self._aux: dict[int, torch.Tensor] = {}  # target layer id -> its output [T_local, target_hidden]
@@ -36,6 +75,8 @@ class DSparkProposer:
             target.model.layers[i].register_forward_hook(self._keeper(i))
         self.last_confidence = torch.empty(0)  # [S, K] confidence of each draft of the last proposal
         self.context = make_context_kv_writer(drafter)
+        # PCP size 1 under "auto": a K = 0 step's context write waits for the next step that drafts
+        self.defers, self.deferred = defers, DeferredContext()
 
     def _keeper(self, layer_id: int) -> Callable[[nn.Module, object, torch.Tensor], None]:
         def keep(_module: nn.Module, _args: object, output: torch.Tensor) -> None:
@@ -64,8 +105,23 @@ class DSparkProposer:
 
     @torch.inference_mode()
     def observe(self, step: TargetStep) -> None:
-        """DSpark's context K/V covers every target token, so it is written on every step, sampling or not."""
-        self.context.write(step, self.take_aux_hidden())
+        """DSpark's context K/V covers every target token, so it is written on every step, sampling or not (where
+        the proposer defers, propose writes it: now or, at K = 0, with the next step that drafts)."""
+        if self.defers:
+            batch = step.batch
+            real = batch.num_tokens - batch.num_padding  # graph padding rows write nothing
+            self.deferred.append(self.take_aux_hidden()[:real], batch.positions[:real], batch.slot_mapping[:real])
+        else:
+            self.context.write(step, self.take_aux_hidden())
+
+    def _write_deferred(self, step: TargetStep) -> dict[str, float]:
+        """Every waiting context write, in one projection; the stats name the tokens of earlier steps it took."""
+        step_tokens = step.batch.num_tokens - step.batch.num_padding
+        earlier = self.deferred.num_tokens - step_tokens
+        waiting = self.deferred.take()
+        if waiting is not None:
+            self.drafter.write_context(*waiting)
+        return {"catch_up_tokens": float(earlier)} if earlier > 0 else {}
 
     @torch.inference_mode()
     def warmup(self, step: TargetStep, k: int) -> None:
@@ -79,6 +135,11 @@ class DSparkProposer:
         the layer outputs written by observe(); the target's final states are not read."""
         batch = step.batch
         stats = {"context_gather_bytes": float(self.context.take_gathered_bytes())}
+        if self.defers:
+            if (k == 0 or not emitted) and self.deferred.num_tokens <= MAX_DEFERRED_CONTEXT_TOKENS:
+                # the policy prices this step's draft pass as none at all (cost_model.StepShape.draft_features)
+                return Proposal(stats=stats | {STEP0_DEFERRED: float(batch.num_tokens - batch.num_padding)})
+            stats |= self._write_deferred(step)
         if k == 0 or not emitted:
             return Proposal(stats=stats)
         b = self.drafter.config.block_size

@@ -10,7 +10,7 @@ from tandem.models.dspark import load_dspark_drafter
 from tandem.models.registry import attention_kind
 from tandem.spec_decode.draft_mode import DraftMode
 from tandem.spec_decode.dspark_proposer import DSparkProposer
-from tandem.spec_decode.mtp_catch_up import defers_step0
+from tandem.spec_decode.mtp_catch_up import defers_at_k0, defers_step0
 from tandem.spec_decode.mtp_proposer import MTPProposer
 from tandem.spec_decode.ngram_proposer import NgramProposer
 from tandem.spec_decode.proposer import NoProposer, Proposer
@@ -32,7 +32,9 @@ def build_proposer(config: EngineConfig, target: nn.Module, draft_mode: DraftMod
     if spec.method == "dspark":  # always replicated over the global batch (DESIGN §5)
         assert spec.model is not None
         drafter = load_dspark_drafter(spec.model, model, spec.max_num_speculative_tokens, config.device)
-        return DSparkProposer(drafter, target, block_size, probabilistic)
+        return DSparkProposer(drafter, target, block_size, probabilistic,
+                              defers=defers_at_k0(spec.method, spec.auto, draft_mode.mode,
+                                                  config.parallel_config.prefill_context_parallel_size))
     if spec.method == "ngram":
         return NgramProposer(spec)
     return NoProposer()

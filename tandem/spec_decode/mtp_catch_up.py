@@ -39,6 +39,13 @@ def defers_step0(method: str | None, draft_mode: str | None, pcp_size: int) -> b
     return method == "mtp" and (draft_mode != "sharded" or pcp_size == 1)
 
 
+def defers_at_k0(method: str | None, auto: bool, draft_mode: str | None, pcp_size: int) -> bool:
+    """Whether the drafter's per-step pass waits at K = 0 steps for the next step that drafts: MTP's step 0
+    (defers_step0), or, under "auto" at PCP size 1, DSpark's context write (dspark_proposer.DeferredContext; at
+    PCP > 1 each step's write is a collective over that step's segments)."""
+    return defers_step0(method, draft_mode, pcp_size) or (method == "dspark" and auto and pcp_size == 1)
+
+
 @dataclass
 class DeferredTokens:
     """One request's tokens whose MTP step 0 has not run: consecutive positions from `start`."""

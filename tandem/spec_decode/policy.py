@@ -67,11 +67,14 @@ class RunningRow:
 
 class SpecPolicy:
     def __init__(self, max_k: int, explore_after: int = 16, max_explore_after: int = 256, switch_margin: float = 0.03,
-                 defers_step0: bool = False, max_deferred_tokens: int = 256, block_size: int = 16):
+                 defers_step0: bool = False, max_deferred_tokens: int = 256, block_size: int = 16,
+                 costly_catch_up: bool | None = None):
         self.max_k, self.switch_margin, self.block_size = max_k, switch_margin, block_size
-        # MTP's step 0 is deferred at K = 0 (mtp_catch_up.py) where every row is a decode or a prompt's last chunk
-        # of at most max_deferred_tokens: those steps price no step 0
+        # MTP's step 0 (mtp_catch_up.py) and DSpark's context write (dspark_proposer.py) are deferred at K = 0 where
+        # every row is a decode or a prompt's last chunk of at most max_deferred_tokens: those steps price no step 0
         self.defers_step0, self.max_deferred_tokens = defers_step0, max_deferred_tokens
+        # the catch-up runs the drafter's attention over the deferred tokens (MTP), not only a projection (DSpark)
+        self.costly_catch_up = defers_step0 if costly_catch_up is None else costly_catch_up
         self.accept = PositionRates(max_k)
         self.fill = PositionRates(max_k, prior=0.9)  # model drafters always fill; n-gram learns its own rate
         self.target = LinearCostModel(TARGET_TERMS)
@@ -142,7 +145,7 @@ class SpecPolicy:
                 self.steps_at_zero, self._explore_left = 0, 1
                 # a near tie keeps the wait, exploring it costs little; not where MTP defers step 0: each exploration
                 # catches up every deferred token (at ~8k keys, 8 rows, explored every 16 steps: 0.80x no-spec)
-                if self.defers_step0 or rate[1:].max() < NEAR_TIE * rate[0]:
+                if self.costly_catch_up or rate[1:].max() < NEAR_TIE * rate[0]:
                     self.explore_after = min(2 * self.explore_after, self.max_explore_after)
                 self._explored_rows = len(running)
                 best = 1
@@ -206,18 +209,22 @@ class SpecPolicy:
 
     # -- learning ------------------------------------------------------------------------------------------------
     def record_step(self, plan: StepPlan, output: StepOutput, step_s: float, draft_s: float,
-                    learn_acceptance: bool = True) -> None:
-        """A step ran: `step_s` its whole wall time on rank 0, `draft_s` the drafter's share of it."""
+                    calibration: bool = False) -> None:
+        """A step ran: `step_s` its whole wall time on rank 0, `draft_s` the drafter's share of it. A calibration
+        step (synthetic, at start-up) teaches the cost models as a prior (LinearCostModel.observe_prior) and no
+        acceptance."""
         shape = step_shape(plan, output, self.block_size)
-        self.target.observe(shape.target_features(), max(step_s - draft_s, 0.0))
+        observe_target = self.target.observe_prior if calibration else self.target.observe
+        observe_draft = self.draft.observe_prior if calibration else self.draft.observe
+        observe_target(shape.target_features(), max(step_s - draft_s, 0.0))
         step0 = STEP0_DEFERRED not in output.draft_stats  # the drafter says whether it ran its per-step pass
         # MTP's catch-up ran step 0 over deferred tokens too: they are step-0 tokens of this step's draft pass
         caught_up = output.draft_stats.get("catch_up_tokens", 0.0)
         draft_shape = dataclasses.replace(shape, num_tokens=shape.num_tokens + round(caught_up),
                                           num_keys=shape.num_keys + output.draft_stats.get("catch_up_keys", 0.0))
-        self.draft.observe(draft_shape.draft_features(plan.num_spec_tokens, step0), draft_s)
+        observe_draft(draft_shape.draft_features(plan.num_spec_tokens, step0), draft_s)
         sampling_rows = [row for row in plan.rows if row.sampling is not None]
-        if learn_acceptance:
+        if not calibration:
             for s, row in enumerate(sampling_rows):
                 num_emitted = len(output.sampled_token_ids[s])
                 self.realised_emitted += num_emitted

@@ -799,9 +799,10 @@ def test_calibration_prices_a_long_rows_verify_by_the_keys_it_reads(monkeypatch:
                                                                     seed: int, truth: str) -> None:
     """A batch-1 decode and a K = 1 verification at 8k keys on a machine whose attention reads each row's cache
     once (as the absorbed MLA at a few query rows does): calibrated at <= 1,024 keys, both are priced within 15%
-    (0.90-1.09x over seeds 0-5) and their ratio within 15%; so is a decode of 8 rows behind one 8k cached prefix. Without the keys-read term (the target's per-key cost
-    counted per query token) the same calibration priced the decode at 0.22-0.23x and the verification at
-    0.69-0.80x its cost: K = 1 looked 3.3-3.7x a decode where it costs 1.07x."""
+    (0.90-1.09x over seeds 0-5) and their ratio within 15%; so is a decode of 8 rows behind one 8k cached prefix.
+    Without the keys-read term (the target's per-key cost counted per query token) the same calibration priced the
+    decode at 0.22-0.23x and the verification at 0.69-0.80x its cost: K = 1 looked 3.3-3.7x a decode where it
+    costs 1.07x."""
     from tandem.spec_decode.calibration import calibrate
 
     true_target = TRUE_READ_BOUND if truth == "read_bound" else TRUE_READ_AND_ATTEND
@@ -935,3 +936,23 @@ def test_served_steps_outweigh_the_calibration_prior_which_still_prices_what_the
     verify = StepShape(1, 4, 4 * 1024.0, 1, 1024, 1.0, 1024.0, 2.0, 1027.0)
     priced = model.predict(verify.target_features()) / float(verify.target_features() @ served)
     assert 0.75 < priced < 1.25, priced
+
+
+def test_a_run_at_k0_reprices_the_same_rows_every_few_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At K = 0 nothing new is learnt of acceptance, so the same rows keep their prices for REPRICE_EVERY steps
+    (pricing is ~2% of a batch-1 step, which no-spec does not pay); every drafting step prices afresh."""
+    from tandem.spec_decode.policy import REPRICE_EVERY
+
+    policy = SpecPolicy(K_MAX)
+    sim = Simulation(policy, batch=4, seed=3)
+    sim.run(World(0.9), 100)  # drafting pays
+    calls = []
+    expected = policy.expected
+    monkeypatch.setattr(policy, "expected", lambda *a, **kw: calls.append(1) or expected(*a, **kw))
+    drafting = sim.run(World(0.9), 40)
+    assert sum(k > 0 for k in drafting) >= 35 and len(calls) == 40, (drafting, len(calls))
+    sim.run(World(0.02), 100)  # drafting stops paying
+    calls.clear()
+    idle = sim.run(World(0.02), 60)
+    zeros = sum(k == 0 for k in idle)
+    assert REPRICE_EVERY >= 2 and zeros >= 50 and len(calls) <= 60 - zeros / 2, (idle, len(calls))

@@ -141,6 +141,7 @@ class LinearCostModel:
     prior_gram: np.ndarray = field(init=False)  # [F, F] and [F]: the same over calibration steps
     prior_moment: np.ndarray = field(init=False)
     prior_scale: float = 1.0  # the prior's weight now (PRIOR_FADE per served step)
+    num_fits: int = 0  # times re-solved (a caller's prices from before a fit are stale)
     coef: np.ndarray = field(init=False)  # [F] seconds per unit of each term
 
     def __post_init__(self) -> None:
@@ -187,6 +188,7 @@ class LinearCostModel:
 
     def refit(self) -> None:
         """Non-negative ridge least squares by an active set: solve on the free terms, drop the most negative."""
+        self.num_fits += 1
         gram = self.gram + self.prior_scale * self.prior_gram
         moment = self.moment + self.prior_scale * self.prior_moment
         free = np.ones(len(self.terms), dtype=bool)

@@ -53,6 +53,9 @@ from tandem.spec_decode.cost_model import (
 # is where a K >= 1 priced high early (its terms settle while it runs) most needs new observations (GSM8K batch 1,
 # MTP: K = 1 priced 17.5 ms on average against 13.8 measured, and "auto" kept K = 0 at 0.92x no-spec)
 NEAR_TIE = 0.9
+# a batch of the same rows keeps its prices this many steps (contexts grow by a token or a few a step, and
+# `expected` cost ~0.17 ms at batch 1: ~2% of a 9 ms step, paid by every K = 0 step that no-spec does not pay)
+REPRICE_EVERY = 4
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,9 @@ class SpecPolicy:
         self._explore_left = 0  # exploration steps still to run: one proposes, the next verifies
         self._last_k = 0
         self.last_seconds = np.zeros(max_k + 1)  # [K_max + 1] predicted seconds of the last decode step's choice
+        self._priced: tuple[np.ndarray, np.ndarray] = (np.zeros(0), np.zeros(0))  # the last `expected`, its rows
+        self._priced_key: tuple = ()
+        self._priced_age = 0
 
     # -- choosing ------------------------------------------------------------------------------------------------
     def choose(self, running: list[RunningRow], new_batch: bool = False) -> int:
@@ -114,7 +120,7 @@ class SpecPolicy:
             # drafting starts only for the switch margin: the acceptance it is priced at is the last batch's (its
             # tail's, often), and a batch of 32 that started at K = 1 on it paid ~2x a step until it learnt better
             return self._commit(best if rate[best] >= (1 + self.switch_margin) * rate[0] else 0, 0.0)
-        emitted, seconds = self.expected(running)
+        emitted, seconds = self._prices(running)
         self.last_seconds = seconds  # the prices of this choice, for benchmarks' traces
         if not (self.target.ready and self.draft.ready):
             k = self.max_k - int(self.chosen.sum()) % (self.max_k + 1)  # not seeded yet: sweep K to fit costs
@@ -161,6 +167,19 @@ class SpecPolicy:
                 self.steps_drafting, self._probe_left, self._resume_k, best = 0, 1, best, 0
                 self.probe_after = min(2 * self.probe_after, self.max_explore_after)
         return self._commit(best, float(emitted[best]))
+
+    def _prices(self, running: list[RunningRow]) -> tuple[np.ndarray, np.ndarray]:
+        """`expected(running)`, reused for up to REPRICE_EVERY steps of a run at K = 0 (no drafts, so no new
+        acceptance evidence) while the rows (and which are prompts) stay the same and the cost models are not
+        re-solved; priced afresh at every step that drafts, explores or probes."""
+        key = (tuple((r.request_id, r.num_new_tokens > 1) for r in running), self.target.num_fits,
+               self.draft.num_fits)
+        steady = self._last_k == 0 and not (self._explore_left or self._probe_left or self._resume_k is not None)
+        if not steady or key != self._priced_key or self._priced_age >= REPRICE_EVERY - 1:
+            self._priced, self._priced_key, self._priced_age = self.expected(running), key, 0
+        else:
+            self._priced_age += 1
+        return self._priced
 
     def could_pay(self, running: list[RunningRow], rate_k0: float) -> bool:
         """Whether some K >= 1 beats K = 0's rate by the switch margin with every draft accepted (the drafter's

@@ -956,3 +956,15 @@ def test_a_run_at_k0_reprices_the_same_rows_every_few_steps(monkeypatch: pytest.
     idle = sim.run(World(0.02), 60)
     zeros = sum(k == 0 for k in idle)
     assert REPRICE_EVERY >= 2 and zeros >= 50 and len(calls) <= 60 - zeros / 2, (idle, len(calls))
+
+
+def test_a_drafter_that_reads_each_rows_prefix_is_priced_per_row() -> None:
+    """8 rows behind one 8k prefix: MTP's first draft (on the target's cascade metadata) is priced at the keys
+    read once, DSpark's block (each row's gathered context) and every one-token draft decode at the keys per row."""
+    shape = StepShape(8, 16, 8 * 2 * 8100.0, 8, 8800, 8.0, 8800.0, 12.0, 8808.0, 8 * 8100.0)
+    first, decode = DRAFT_TERMS.index("first_per_context"), DRAFT_TERMS.index("decode_per_context")
+    mtp, dspark = shape.draft_features(3), shape.draft_features(3, first_reads_shared_once=False)
+    assert mtp[first] == 8800 and dspark[first] == 8 * 8100
+    assert mtp[decode] == dspark[decode] == 2 * 8 * 8100
+    policy = SpecPolicy(K_MAX, first_reads_shared_once=False)
+    assert not policy.first_reads_shared_once

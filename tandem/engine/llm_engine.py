@@ -65,6 +65,7 @@ class LLMEngine:
                               config.parallel_config.prefill_context_parallel_size)
         mtp = self.spec.method == "mtp"
         self.policy = (SpecPolicy(self.spec.max_k, defers_step0=defers, costly_catch_up=mtp,
+                                  first_reads_shared_once=self.spec.method != "dspark",
                                   max_deferred_tokens=MAX_DEFERRED_TOKENS if mtp else MAX_DEFERRED_CONTEXT_TOKENS,
                                   block_size=config.cache_config.block_size)
                        if self.spec.enabled and self.spec.auto else None)

@@ -14,6 +14,10 @@ Features of a step (all from the StepPlan, so the scheduler can evaluate a step 
             [k>0], S [k>0], C [k>0]                    (first draft: sampling / DSpark's block, S rows, C keys)
             (k-1)+, S (k-1)+, C (k-1)+                 (MTP's one-token draft decodes)
 where S = sampling rows and C = their summed context. A drafter whose passes lack a term fits ~0 for it.
+C counts keys of shared prefix blocks once where the pass reads them once (MTP's first draft: its step 0 runs on
+the target's cascade metadata) and once per row where it does not (DSpark's block attends each row's gathered
+context prefix; MTP's one-token draft decodes): at ~8k keys behind one prefix, batch 8, DSpark's K = 1 step was
+priced 112 ms against 140 ms measured with C counted once.
 The verifying and sampling contexts count a key that several rows read through the same cache blocks (a shared
 few-shot prefix, which cascade attention reads once for all of them) once (`duplicate_keys`): priced per row, the
 calibration's per-key cost of one row's verification made 8 rows x ~1,000 keys over a shared 700-key prefix cost
@@ -57,17 +61,21 @@ class StepShape:
     verifying_context: float = 0.0
     num_emitted: float = 0.0
     keys_read: float = 0.0  # sum over rows of start + n, keys read through shared prefix blocks once
+    sampling_context_per_row: float | None = None  # sampling_context with shared keys once per row (None: the same)
 
     def target_features(self) -> np.ndarray:
         return np.array([1.0, self.num_rows, self.num_tokens, self.num_keys, self.num_verifying_rows,
                          self.verifying_context, self.num_emitted, self.keys_read])
 
-    def draft_features(self, k: int, step0: bool = True) -> np.ndarray:
-        """`step0`: the drafter runs its pass over every token of the step (False: MTP deferred it, K = 0)."""
+    def draft_features(self, k: int, step0: bool = True, first_reads_shared_once: bool = True) -> np.ndarray:
+        """`step0`: the drafter runs its pass over every token of the step (False: MTP deferred it, K = 0);
+        `first_reads_shared_once`: the first draft reads shared prefix keys once (MTP), not per row (DSpark)."""
         first, decodes, every = float(k > 0), float(max(k - 1, 0)), float(step0)
-        s, c = self.num_sampling_rows, self.sampling_context
+        s = self.num_sampling_rows
+        per_row = self.sampling_context if self.sampling_context_per_row is None else self.sampling_context_per_row
+        c = self.sampling_context if first_reads_shared_once else per_row
         return np.array([every, self.num_tokens * every, self.num_keys * every, first, s * first, c * first, decodes,
-                         s * decodes, c * decodes])
+                         s * decodes, per_row * decodes])
 
 
 def duplicate_keys(rows: Iterable[tuple[Sequence[int], int]], block_size: int) -> int:

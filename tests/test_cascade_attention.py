@@ -12,6 +12,7 @@ import torch
 from engine_utils import random_prompts
 
 from tandem import LLM, SamplingParams
+from tandem.attention import native
 from tandem.attention.backends.prefix import prefix_attention
 from tandem.attention.metadata import build_attention_metadata
 
@@ -77,14 +78,18 @@ CASES = [  # (q_lens, seq_lens, shared blocks, rows at the end that share nothin
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
-@pytest.mark.parametrize("reads", ["gather", "in_place"])
+@pytest.mark.parametrize("reads", ["gather", "in_place", "native"])
 @pytest.mark.parametrize("scattered", [False, True])
 @pytest.mark.parametrize("mla", [False, True])
 def test_shared_prefix_attention_equals_dense_causal_reference(monkeypatch, case, reads, scattered, mla):
+    if reads == "native":
+        assert native.enabled(), "the native CPU paged-attention kernel builds on this machine"
+    else:
+        monkeypatch.setitem(native._state, "ok", False)
     if reads == "in_place":
         monkeypatch.setattr("tandem.attention.metadata.IN_PLACE_MIN_KEYS", 0)
         monkeypatch.setattr("tandem.attention.metadata.MIN_RUN_KEYS", 16)
-    else:
+    elif reads == "gather":
         monkeypatch.setattr("tandem.attention.metadata.IN_PLACE_MIN_KEYS", 10**9)
         monkeypatch.setattr("tandem.attention.metadata.GATHER_MAX_KEYS", 10**9)
     q_lens, seq_lens, shared, outsiders = CASES[case]

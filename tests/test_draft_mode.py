@@ -85,6 +85,9 @@ def test_replicated_draft_metadata_is_the_single_rank_metadata():
     replicated = global_attention_metadata(batch, 16)
     for field in ("positions", "query_start_loc_cpu", "seq_lens_cpu", "block_table", "write_rows", "write_slots"):
         assert torch.equal(getattr(replicated, field), getattr(single, field)), field
+    assert (replicated.native_rows is None) == (single.native_rows is None)
+    if single.native_rows is not None:
+        assert torch.equal(replicated.native_rows, single.native_rows)
     assert len(replicated.groups) == len(single.groups)
     for a, b in zip(replicated.groups, single.groups, strict=True):
         assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("token_idx", "token_valid", "kv_slots", "mask"))

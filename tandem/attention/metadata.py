@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tandem.attention import native
+
 PAD_SLOT_ID = -1  # slot_mapping value meaning "write nothing"
 SHORT_ROW_TOKENS = 16  # rows up to this many query tokens share one padded attention call (or read in place)
 # Short rows are padded into one gathered group (one batched matmul for all of them) while that group stays small;
@@ -140,6 +142,10 @@ class AttentionMetadata:
     # keys that >= 2 long rows (prompt chunks; LongRow.shares_prefix) share: MLA expands their latents once a layer,
     # not once a row (its token_idx is unused)
     long_prefix: SharedPrefix | None = None
+    # the short rows for the native CPU kernel (tandem/attention/native), which reads their keys in place through
+    # block_table: int32 [R, 5] = (block-table row, first query token, queries, seq_len, first key position), or
+    # None: `groups` / `row_keys` serve them
+    native_rows: torch.Tensor | None = None
 
 
 def build_attention_metadata(positions: torch.Tensor, query_start_loc_cpu: torch.Tensor,
@@ -157,6 +163,11 @@ def build_attention_metadata(positions: torch.Tensor, query_start_loc_cpu: torch
     shared, members = _shared_prefix(short, q_lens, seq_lens, query_start_loc_cpu, table_np, block_size, positions,
                                      subset=key_bound is None)
     start = {i: shared.num_keys if shared is not None and i in members else 0 for i in short}  # own keys begin
+    native_rows = None
+    if table_np is not None and key_bound is None and short and native.enabled():
+        native_rows = torch.tensor([[i, int(query_start_loc_cpu[i]), q_lens[i], seq_lens[i], start[i]] for i in short],
+                                   dtype=torch.int32)
+        short = []  # no padded groups, no in-place views: the kernel reads every short row's keys
     in_place: list[int] = []
     if table_np is not None and key_bound is None:  # off the CPU (and for MTP's bounded drafts) the gather stays
         by_keys = sorted(short, key=lambda i: seq_lens[i] - start[i])
@@ -180,7 +191,7 @@ def build_attention_metadata(positions: torch.Tensor, query_start_loc_cpu: torch
         positions=positions, query_start_loc_cpu=query_start_loc_cpu, seq_lens_cpu=seq_lens_cpu,
         block_table=block_table, block_size=block_size, groups=groups, write_rows=write_rows,
         write_slots=write_slots, long_rows=long_rows, row_keys=row_keys, shared_prefix=shared,
-        long_prefix=long_prefix)
+        long_prefix=long_prefix, native_rows=native_rows)
 
 
 def _shared_prefix(rows: list[int], q_lens: list[int], seq_lens: list[int], qsl: torch.Tensor,

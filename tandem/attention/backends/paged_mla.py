@@ -61,7 +61,8 @@ class PagedMLABackend(AttentionBackend):
         if not meta.long_rows:  # decodes and verification rows only: every token absorbed
             return up_project(prefix_attention(absorb(q_nope, q_pe, up), lat, None, meta, scale, value_dims=lora), up)
         out = q_nope.new_zeros(q_nope.shape[0], q_nope.shape[1], up.w_uv.shape[1])
-        if meta.groups or meta.row_keys:  # short rows beside prompt chunks: absorb only the short rows' tokens
+        # short rows beside prompt chunks: absorb only the short rows' tokens
+        if meta.groups or meta.row_keys or meta.native_rows is not None:
             short = torch.ones(q_nope.shape[0], dtype=torch.bool, device=q_nope.device)
             for piece in (p for lr in meta.long_rows for p in lr.pieces):
                 short[piece.token_start: piece.token_start + piece.num_queries] = False

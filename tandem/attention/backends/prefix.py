@@ -21,6 +21,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from tandem.attention import native
 from tandem.attention.causal_rows import attention_with_lse, causal_row_attention, merge_attn_states
 from tandem.attention.metadata import AttentionMetadata, RowKeys, SharedPrefix, gather_rows, select_rows
 from tandem.attention.sharded_kv import ShardedAttentionMetadata
@@ -39,7 +40,7 @@ def prefix_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor
     so a key is read once for both. `long_rows=False`: only the short rows (their output rows; others zero)."""
     dv = value_dims if v_flat is None else v_flat.shape[-1]
     assert dv is not None
-    groups, shared = meta.groups, meta.shared_prefix
+    groups, shared = meta.groups, meta.shared_prefix  # (no groups when the native kernel takes the short rows)
     if len(groups) == 1 and groups[0].covers_all(q.shape[0]):  # one dense group: its output is the whole output
         g = groups[0]
         kg = gather_rows(k_flat, g.kv_slots).to(q.dtype)  # [G, S, Hkv, Dk]
@@ -49,8 +50,11 @@ def prefix_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor
             return grouped_sdpa(qg, kg, vg, g.mask, scale, g.blocked).flatten(0, 1)
         og, lg = grouped_sdpa_lse(qg, kg, vg, scale, g.blocked)
         return _merge_shared_prefix(q, og.flatten(0, 1), lg.flatten(0, 1), k_flat, v_flat, shared, scale, dv)
-    out = q.new_zeros(q.shape[0], q.shape[1], dv)
-    lse = None if shared is None else torch.full(q.shape[:2], float("-inf"), device=q.device)  # [T, Hq]
+    if meta.native_rows is not None:  # the short rows read in place by the native CPU kernel
+        out, lse = native_short_rows(q, k_flat, v_flat, meta, meta.native_rows, scale, dv)
+    else:
+        out = q.new_zeros(q.shape[0], q.shape[1], dv)
+        lse = None if shared is None else torch.full(q.shape[:2], float("-inf"), device=q.device)  # [T, Hq]
     for g in groups:
         kg = gather_rows(k_flat, g.kv_slots).to(q.dtype)  # [G, S, Hkv, Dk]
         vg = kg[..., :dv] if v_flat is None else gather_rows(v_flat, g.kv_slots).to(q.dtype)  # [G, S, Hkv, Dv]
@@ -82,6 +86,20 @@ def prefix_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor
             out[rows] = causal_row_attention(q[rows].transpose(0, 1), kg[:, : p.seq_len], vg[:, : p.seq_len],
                                              scale).transpose(0, 1)
     return out
+
+
+def native_short_rows(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor | None, meta: AttentionMetadata,
+                      rows: torch.Tensor, scale: float, dv: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The short rows through the native kernel -> (out [T, Hq, Dv], zero at other tokens; lse [T, Hq] float32
+    when a shared prefix is to be merged, else None). The kernel computes in the cache's dtype."""
+    values = k_flat[..., :dv] if v_flat is None else v_flat
+    qc = q if q.dtype == k_flat.dtype else q.to(k_flat.dtype)
+    out = qc.new_zeros(q.shape[0], q.shape[1], dv)
+    lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32)  # [T, Hq]
+    positions = meta.positions if meta.positions.dtype == torch.int64 else meta.positions.long()
+    native.paged_attention(qc, k_flat, values, meta.block_table, rows, positions.contiguous(), meta.block_size,
+                           scale, out, lse)
+    return out.to(q.dtype), None if meta.shared_prefix is None else lse
 
 
 def _merge_shared_prefix(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, k_flat: torch.Tensor,

@@ -1,0 +1,291 @@
+// Paged attention for short rows (decodes, verification rows) on the CPU, reading each row's keys and values in
+// place through its block table: no gathered copy of the prefix, no padding, no mask tensor.
+//
+// Rows: int32 [R, 5] = (block-table row, first query token, number of queries, seq_len, first key position).
+// Query token t of a row sees the keys at positions [key_start, min(positions[t] + 1, seq_len)): causality from
+// positions, as the padded path's mask has it (a PCP piece's positions need not be consecutive).
+//
+// Work is split over (row, key chunk): each task reads its chunk's key slots once (every KV head of a slot lies side
+// by side) and scores them against every query head of every query of the row, keeps each query's max, sum and
+// weighted values over the chunk, and a second pass merges the chunks by log-sum-exp (flash-decoding), so a single
+// long row still spreads over every thread.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kMaxChunk = 512;  // keys a task scores at most
+constexpr int64_t kMinChunk = 64;   // ... and at least, unless the row has fewer
+constexpr int64_t kPrefetch = 4;  // keys ahead whose cache rows are prefetched
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// A key or value row as float32: the cache row itself for float32, else converted into `buf`.
+template <typename T>
+inline const float* as_float(const T* src, float* buf, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
+  return buf;
+}
+
+template <>
+inline const float* as_float<float>(const float* src, float*, int64_t) {
+  return src;
+}
+
+template <>
+inline const float* as_float<at::BFloat16>(const at::BFloat16* src, float* buf, int64_t n) {
+  // bf16 is float32's upper half: a shift the compiler vectorizes
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* d = reinterpret_cast<uint32_t*>(buf);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;
+  return buf;
+}
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
+
+// One vector accumulator and a tree sum at the end: the compiler's own simd reduction sums its lanes one by one
+// through memory (16 dependent adds a dot, most of a decode's scoring time).
+inline float dot(const float* a, const float* b, int64_t n) {
+  f32x16 acc = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    f32x16 x, y;
+    std::memcpy(&x, a + i, sizeof(x));
+    std::memcpy(&y, b + i, sizeof(y));
+    acc += x * y;
+  }
+  const f32x8 h8 = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
+                   __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
+  const f32x4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+  float sum = (h4[0] + h4[2]) + (h4[1] + h4[3]);
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+inline void axpy(float alpha, const float* x, float* y, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+// x[i] <- exp(x[i] - mx) for finite x[i] <= mx; returns their sum. exp as 2^n * 2^f, f in [-1/2, 1/2], 2^f by
+// Cephes' exp2f polynomial (relative error ~1e-7): a loop the compiler vectorizes, where libm's expf is a call a
+// score (a decode step at 32 rows x 9 heads x 1k keys scores 288k).
+inline float exp_sum(float* x, int64_t n, float mx) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) {
+    float y = std::max((x[i] - mx) * 1.44269504088896341f, -126.f);
+    const float k = std::nearbyint(y);
+    const float f = y - k;
+    float p = 1.535336188319500e-4f;
+    p = p * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.f;
+    const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof(scale));
+    x[i] = p * scale;
+    sum += x[i];
+  }
+  return sum;
+}
+
+template <typename T>
+void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& block_table,
+         const torch::Tensor& rows, const torch::Tensor& positions, int64_t block_size, double scale,
+         torch::Tensor& out, torch::Tensor& lse) {
+  const int64_t num_rows = rows.size(0);
+  const int64_t hq = q.size(1), dk = q.size(2), hkv = k.size(1), dv = v.size(2);
+  const int64_t r = hq / hkv;
+  const int32_t* rw = rows.data_ptr<int32_t>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int64_t table_stride = block_table.stride(0);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  const int64_t q_tok = q.stride(0), q_head = q.stride(1);
+  const int64_t k_slot = k.stride(0), k_head = k.stride(1), v_slot = v.stride(0), v_head = v.stride(1);
+  const float fscale = static_cast<float>(scale);
+
+  int64_t max_q = 1, max_keys = 1;
+  for (int64_t i = 0; i < num_rows; ++i) {
+    max_q = std::max<int64_t>(max_q, rw[5 * i + 2]);
+    max_keys = std::max<int64_t>(max_keys, rw[5 * i + 3] - rw[5 * i + 4]);
+  }
+  // enough tasks for every thread (a long row split into chunks, merged after), no chunk past kMaxChunk
+  const int64_t want = (4 * at::get_num_threads() + num_rows - 1) / num_rows;
+  const int64_t chunk = std::min(kMaxChunk, std::max(kMinChunk, (max_keys + want - 1) / want));
+  const int64_t max_chunks = (max_keys + chunk - 1) / chunk;
+  // query vectors of a row: head h's query i at h * n + i (every KV head's r heads side by side)
+  const int64_t qrows = hq * max_q;
+  const int64_t tasks = num_rows * max_chunks;
+  // per task: each query vector's max and sum over the chunk's keys, and its weighted values
+  std::vector<float> part_m(tasks * qrows), part_l(tasks * qrows), part_acc(tasks * qrows * dv);
+
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(qrows * dk), kbuf(std::max(dk, dv)), scores(qrows * chunk);
+    std::vector<int64_t> width_of(qrows);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t row = task / max_chunks, c = task % max_chunks;
+      const int32_t* rr = rw + 5 * row;
+      const int64_t t0 = rr[1], n = rr[2], seq_len = rr[3], key_start = rr[4];
+      const int32_t* blocks = table + rr[0] * table_stride;
+      const int64_t lo = key_start + c * chunk, hi = std::min<int64_t>(seq_len, lo + chunk);
+      const int64_t nq = hq * n;
+      float* m = part_m.data() + task * qrows;
+      float* l = part_l.data() + task * qrows;
+      float* acc = part_acc.data() + task * qrows * dv;
+      std::fill(m, m + nq, kNegInf);
+      std::fill(l, l + nq, 0.f);
+      std::fill(acc, acc + nq * dv, 0.f);
+      if (lo >= hi) continue;
+      int64_t width = 0;  // keys of the chunk that any query sees
+      for (int64_t h = 0; h < hq; ++h) {
+        for (int64_t i = 0; i < n; ++i) {
+          const float* src = as_float(qp + (t0 + i) * q_tok + h * q_head, qf.data() + (h * n + i) * dk, dk);
+          if (src != qf.data() + (h * n + i) * dk) std::memcpy(qf.data() + (h * n + i) * dk, src, dk * sizeof(float));
+          // causal: query i sees the keys up to its own position
+          const int64_t w = std::clamp<int64_t>(std::min<int64_t>(pos[t0 + i] + 1, seq_len) - lo, 0, hi - lo);
+          width_of[h * n + i] = w;
+          width = std::max(width, w);
+        }
+      }
+      for (int64_t s = 0; s < width; ++s) {
+        const int64_t p = lo + s;
+        const int64_t slot = static_cast<int64_t>(blocks[p / block_size]) * block_size + p % block_size;
+        if (s + kPrefetch < width) {  // the cache rows a few keys ahead: their slots are known, their loads are not
+          const int64_t ahead = p + kPrefetch;
+          const char* next = reinterpret_cast<const char*>(
+              kp + (static_cast<int64_t>(blocks[ahead / block_size]) * block_size + ahead % block_size) * k_slot);
+          for (int64_t b = 0; b < hkv * k_head * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(next + b);
+        }
+        for (int64_t g = 0; g < hkv; ++g) {
+          const float* key = as_float(kp + slot * k_slot + g * k_head, kbuf.data(), dk);
+          for (int64_t j = g * r * n; j < (g + 1) * r * n; ++j) {
+            if (s < width_of[j]) scores[j * chunk + s] = dot(qf.data() + j * dk, key, dk) * fscale;
+          }
+        }
+      }
+      for (int64_t j = 0; j < nq; ++j) {
+        const int64_t w = width_of[j];
+        if (w == 0) continue;  // no key of this chunk is visible to this query
+        float* sj = scores.data() + j * chunk;
+        float mx = kNegInf;
+        for (int64_t s = 0; s < w; ++s) mx = std::max(mx, sj[s]);
+        m[j] = mx;
+        l[j] = exp_sum(sj, w, mx);
+      }
+      for (int64_t s = 0; s < width; ++s) {
+        const int64_t p = lo + s;
+        const int64_t slot = static_cast<int64_t>(blocks[p / block_size]) * block_size + p % block_size;
+        for (int64_t g = 0; g < hkv; ++g) {
+          const float* value = as_float(vp + slot * v_slot + g * v_head, kbuf.data(), dv);
+          for (int64_t j = g * r * n; j < (g + 1) * r * n; ++j) {
+            if (s < width_of[j]) axpy(scores[j * chunk + s], value, acc + j * dv, dv);
+          }
+        }
+      }
+    }
+  });
+
+  // merge each query vector's chunks: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c
+  T* op = out.data_ptr<T>();
+  float* lp = lse.data_ptr<float>();
+  const int64_t o_tok = out.stride(0), o_head = out.stride(1);
+  at::parallel_for(0, num_rows * hq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> merged(dv);
+    for (int64_t rh = begin; rh < end; ++rh) {
+      const int64_t row = rh / hq, h = rh % hq;
+      const int32_t* rr = rw + 5 * row;
+      const int64_t t0 = rr[1], n = rr[2];
+      const int64_t chunks = std::max<int64_t>(1, (rr[3] - rr[4] + chunk - 1) / chunk);
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t qv = h * n + i;
+        float big = kNegInf;
+        for (int64_t c = 0; c < chunks; ++c) big = std::max(big, part_m[(row * max_chunks + c) * qrows + qv]);
+        std::fill(merged.begin(), merged.end(), 0.f);
+        float total = 0.f;
+        if (big != kNegInf) {
+          for (int64_t c = 0; c < chunks; ++c) {
+            const int64_t task = row * max_chunks + c;
+            const float mc = part_m[task * qrows + qv];
+            if (mc == kNegInf) continue;
+            const float w = std::exp(mc - big);
+            total += w * part_l[task * qrows + qv];
+            axpy(w, part_acc.data() + (task * qrows + qv) * dv, merged.data(), dv);
+          }
+        }
+        const float inv = total > 0.f ? 1.f / total : 0.f;
+        T* o = op + (t0 + i) * o_tok + h * o_head;
+        for (int64_t d = 0; d < dv; ++d) o[d] = static_cast<T>(merged[d] * inv);
+        lp[(t0 + i) * hq + h] = total > 0.f ? big + std::log(total) : kNegInf;
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// q: [T, Hq, Dk]; k: [slots, Hkv, Dk]; v: [slots, Hkv, Dv] (a view of k's first Dv channels for MLA's latents);
+// block_table: [num_table_rows, max_blocks] int32; rows: [R, 5] int32; positions: [T] int64;
+// out: [T, Hq, Dv] (q's dtype), lse: [T, Hq] float32: written at the rows' query tokens only.
+void paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor block_table,
+                     torch::Tensor rows, torch::Tensor positions, int64_t block_size, double scale,
+                     torch::Tensor out, torch::Tensor lse) {
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu(), "paged_attention: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "paged_attention: q, k, v must be 3-D");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type() &&
+                  out.scalar_type() == q.scalar_type(), "paged_attention: q, k, v and out must share a dtype");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && out.stride(2) == 1,
+              "paged_attention: the last dimension must be contiguous");
+  TORCH_CHECK(q.size(1) % k.size(1) == 0, "paged_attention: query heads must be a multiple of KV heads");
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && block_table.stride(1) == 1,
+              "paged_attention: block_table must be int32 with contiguous rows");
+  TORCH_CHECK(rows.scalar_type() == torch::kInt32 && rows.is_contiguous() && rows.dim() == 2 && rows.size(1) == 5,
+              "paged_attention: rows must be contiguous int32 [R, 5]");
+  TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.is_contiguous(),
+              "paged_attention: positions must be contiguous int64");
+  TORCH_CHECK(lse.scalar_type() == torch::kFloat32 && lse.is_contiguous(), "paged_attention: lse must be float32");
+  TORCH_CHECK(out.size(0) == q.size(0) && out.size(1) == q.size(1) && out.size(2) == v.size(2) &&
+                  lse.size(0) == q.size(0) && lse.size(1) == q.size(1) && positions.size(0) == q.size(0) &&
+                  v.size(1) == k.size(1),
+              "paged_attention: out [T, Hq, Dv], lse [T, Hq] and positions [T] must match q and v");
+  const int32_t* rw = rows.data_ptr<int32_t>();
+  for (int64_t i = 0; i < rows.size(0); ++i) {  // a bad row would read or write out of bounds: refuse it
+    const int64_t row = rw[5 * i], t0 = rw[5 * i + 1], n = rw[5 * i + 2], seq_len = rw[5 * i + 3];
+    const int64_t key_start = rw[5 * i + 4];
+    TORCH_CHECK(row >= 0 && row < block_table.size(0) && t0 >= 0 && n >= 1 && t0 + n <= q.size(0) &&
+                    key_start >= 0 && seq_len <= block_table.size(1) * block_size,
+                "paged_attention: row ", i, " is out of range");
+  }
+  if (q.scalar_type() == torch::kFloat32) {
+    run<float>(q, k, v, block_table, rows, positions, block_size, scale, out, lse);
+  } else if (q.scalar_type() == torch::kBFloat16) {
+    run<at::BFloat16>(q, k, v, block_table, rows, positions, block_size, scale, out, lse);
+  } else if (q.scalar_type() == torch::kFloat16) {
+    run<at::Half>(q, k, v, block_table, rows, positions, block_size, scale, out, lse);
+  } else {
+    TORCH_CHECK(false, "paged_attention: float32, bfloat16 or float16 only");
+  }
+}
+
+TORCH_LIBRARY(tandem_native, m) {
+  m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor block_table, Tensor rows, Tensor positions, "
+        "int block_size, float scale, Tensor(a!) out, Tensor(b!) lse) -> ()");
+  m.impl("paged_attention", torch::kCPU, &paged_attention);
+}

@@ -1,0 +1,142 @@
+"""The native CPU paged-attention kernel (tandem/attention/native): on seeded random paged layouts (GQA with its own
+values, MLA-style latents whose values are the keys' first channels; decodes, verification rows, rows behind a
+shared prefix, PCP-like rows whose positions skip, rows long enough to be split into chunks) its output and LSE
+equal a float64 reference in float32 and to bf16's precision in bfloat16, tokens in no row stay zero, a row out
+of range is refused, and engines give the same greedy tokens with it and with the PyTorch path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from engine_utils import random_prompts
+
+from tandem import LLM, SamplingParams
+from tandem.attention import native
+
+BLOCK = 16
+
+
+@pytest.fixture(autouse=True)
+def _kernel_built() -> None:
+    assert native.enabled(), "the native CPU paged-attention kernel builds on this machine (g++ and ninja)"
+
+
+def _layout(rng: np.random.Generator, num_rows: int, max_keys: int, pcp_like: bool):
+    """-> (rows [R, 5] int32, positions [T] int64, block table [R, max_blocks] int32, number of slots)."""
+    rows, positions, t = [], [], 0
+    seq_lens = rng.integers(1, max_keys + 1, size=num_rows)
+    width = -(-int(seq_lens.max()) // BLOCK)
+    pool = num_rows * width + 4
+    table = rng.permutation(pool)[: num_rows * width].reshape(num_rows, width).astype(np.int32)
+    for i, s in enumerate(seq_lens.tolist()):
+        n = int(rng.integers(1, min(16, s) + 1))
+        key_start = BLOCK * int(rng.integers(0, (s - n) // BLOCK + 1)) if rng.random() < 0.3 else 0
+        pos = np.arange(s - n, s)
+        if pcp_like and n > 2:  # a rank's piece of a row: some positions only, the last one not always included
+            pos = np.sort(rng.choice(np.arange(max(key_start, s - 2 * n), s), size=n, replace=False))
+        rows.append([i, t, n, s, key_start])
+        positions.append(pos)
+        t += n
+    positions.append(np.zeros(3, dtype=np.int64))  # graph padding: tokens in no row
+    return (torch.tensor(rows, dtype=torch.int32), torch.from_numpy(np.concatenate(positions)).long(),
+            torch.from_numpy(table), pool * BLOCK)
+
+
+def _reference(q, k, v, table, rows, positions, scale):
+    """float64: query token t of a row sees keys at positions [key_start, min(positions[t] + 1, seq_len))."""
+    tq, hq, _ = q.shape
+    r = hq // k.shape[1]
+    out = torch.zeros(tq, hq, v.shape[-1], dtype=torch.float64)
+    lse = torch.full((tq, hq), float("-inf"), dtype=torch.float64)
+    for table_row, t0, n, s, ks in rows.tolist():
+        key_pos = torch.arange(ks, s)
+        slots = table[table_row][key_pos // BLOCK].long() * BLOCK + key_pos % BLOCK
+        keys = k[slots].double().repeat_interleave(r, dim=1)  # [S, Hq, Dk]
+        values = v[slots].double().repeat_interleave(r, dim=1)
+        for t in range(t0, t0 + n):
+            scores = torch.einsum("hd,shd->hs", q[t].double(), keys) * scale
+            scores[:, key_pos > positions[t]] = float("-inf")
+            lse[t] = scores.logsumexp(-1)
+            out[t] = torch.einsum("hs,shd->hd", scores.softmax(-1), values)
+    return out, lse
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("shape", ["gqa", "mha", "mla"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_equals_float64_reference(seed, shape, dtype):
+    rng = np.random.default_rng(seed)
+    hq, hkv, dk, dv = {"gqa": (6, 2, 32, 32), "mha": (3, 3, 16, 24), "mla": (8, 1, 72, 64)}[shape]
+    rows, positions, table, slots = _layout(rng, int(rng.integers(1, 9)), 300, pcp_like=seed % 2 == 1)
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(slots, hkv, dk, generator=g).to(dtype)
+    v = k[..., :dv] if shape == "mla" else torch.randn(slots, hkv, dv, generator=g).to(dtype)
+    q = torch.randn(positions.shape[0], hq, dk, generator=g).to(dtype)
+    out = torch.full((q.shape[0], hq, dv), 7.0, dtype=dtype)  # every row token is written; padding keeps 7
+    lse = torch.full((q.shape[0], hq), 7.0)
+    scale = dk**-0.5
+    native.paged_attention(q, k, v, table, rows, positions, BLOCK, scale, out, lse)
+    want, want_lse = _reference(q, k, v, table, rows, positions, scale)
+    real = int((rows[:, 1] + rows[:, 2]).max())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[:real].double(), want[:real], rtol=tol, atol=tol)
+    torch.testing.assert_close(lse[:real].double(), want_lse[:real], rtol=1e-5, atol=1e-5)
+    assert (out[real:] == 7).all() and (lse[real:] == 7).all(), "tokens in no row are not written"
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_long_row_split_into_chunks_merges_exactly(threads):
+    """One row of 5,000 keys (MLA-shaped): the kernel splits it into chunks over the threads and merges them by
+    LSE; the result is the reference's whatever the split."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(1)
+        s, n = 5000, 3
+        table = torch.randperm(s // BLOCK + 8, generator=g)[None, : -(-s // BLOCK)].int()
+        k = torch.randn((s // BLOCK + 8) * BLOCK, 1, 72, generator=g)
+        q = torch.randn(n, 8, 72, generator=g)
+        rows = torch.tensor([[0, 0, n, s, 0]], dtype=torch.int32)
+        positions = torch.arange(s - n, s)
+        out, lse = torch.zeros(n, 8, 64), torch.zeros(n, 8)
+        native.paged_attention(q, k, k[..., :64], table, rows, positions, BLOCK, 0.1, out, lse)
+        want, want_lse = _reference(q, k, k[..., :64], table, rows, positions, 0.1)
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_rows_out_of_range_are_refused():
+    q, k = torch.zeros(2, 2, 8), torch.zeros(64, 1, 8)
+    table = torch.zeros(1, 4, dtype=torch.int32)
+    out, lse = torch.zeros(2, 2, 8), torch.zeros(2, 2)
+    for bad in ([1, 0, 1, 5, 0], [0, 1, 2, 5, 0], [0, 0, 1, 65, 0], [0, 0, 0, 5, 0]):
+        with pytest.raises(RuntimeError, match="row 0 is out of range"):
+            native.paged_attention(q, k, k, table, torch.tensor([bad], dtype=torch.int32), torch.zeros(2).long(),
+                                   BLOCK, 1.0, out, lse)
+    with pytest.raises(RuntimeError, match="int32"):
+        native.paged_attention(q, k, k, table.long(), torch.tensor([[0, 0, 1, 5, 0]], dtype=torch.int32),
+                               torch.zeros(2).long(), BLOCK, 1.0, out, lse)
+
+
+@pytest.mark.parametrize("arch,spec", [
+    ("llama", None),
+    ("llama", {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}),
+    ("deepseek_v3", {"method": "mtp", "num_speculative_tokens": 3}),
+])
+def test_engine_tokens_equal_the_pytorch_path(tiny_checkpoints, monkeypatch, arch, spec):
+    """Greedy tokens with the kernel and with the PyTorch path (padded gathers + SDPA, in-place views): decodes,
+    verification rows of K + 1 tokens and, with a budget of 16 tokens a step, prompt chunks as short rows."""
+    path = str(tiny_checkpoints(arch, num_mtp_layers=1) if arch == "deepseek_v3" else tiny_checkpoints(arch))
+    prompts = random_prompts([5, 19, 33, 70], vocab_size=500, seed=23)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    tokens = {}
+    for on in (True, False):
+        monkeypatch.setitem(native._state, "ok", on)
+        llm = LLM(path, dtype="float32", max_num_batched_tokens=16, speculative_config=spec)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        tokens[on] = [o.outputs[0].token_ids for o in outs]
+        llm.shutdown()
+    assert tokens[True] == tokens[False]

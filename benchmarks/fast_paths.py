@@ -2,8 +2,7 @@
 alternating rounds (ABBA...), so the shared machine's drift hits both sides alike; prints median and best tok/s of
 each side and whether the tokens are identical.
 
-    python benchmarks/fast_paths.py --path cascade|dense-moe|bf16-small-mm|gqa-head-major|bf16-pack|small-pack|
-        native-attention
+    python benchmarks/fast_paths.py --path cascade|dense-moe|bf16-small-mm|gqa-head-major|bf16-pack|native-attention
         [--model PATH] [--dtype float32] [--spec JSON] [--batch 32] [--reps 4] [--max-tokens 96] [--fresh]
         [--zero-shot] [--threads 1]
 
@@ -12,10 +11,9 @@ each side and whether the tokens are identical.
 `bf16-small-mm`: a batch-of-one attention matmul in bf16/fp16 as one 2-D mm (prefix.small_matmul).
 `gqa-head-major`: bf16/fp16 few-query GQA attention as matmuls over a head-major K/V copy (prefix.HEAD_MAJOR_DTYPES)
 instead of CPU SDPA. `bf16-pack`: bf16 weights packed from cpu_gemm.BF16_PACK_MIN_ELEMENTS on, one row included,
-where the CPU has bf16 dot products; off is float32's avx2 rule (F.linear under 2 MiB of float32, and for one row).
-`small-pack`: cpu_gemm's per-instruction-set bounds (avx512: packed from 512 KiB at decode rows, from 128 KiB at
-prompt-chunk rows); off is the avx2 rule everywhere. `native-attention`: short rows through the native CPU
-paged-attention kernel (tandem/attention/native); off is the PyTorch path (padded gathers + SDPA, in-place views).
+where the CPU has bf16 dot products; off is float32's rule (PACK_MIN_ELEMENTS, F.linear for one row).
+`native-attention`: short rows through the native CPU paged-attention kernel (tandem/attention/native, float32
+models); off is the PyTorch path (padded gathers + SDPA, in-place views).
 `--zero-shot`: the bare GSM8K questions of `tandem bench offline` instead (no shared prefix, so no cascade).
 Prompts: 5-shot GSM8K test questions (benchmarks/spec_decode.py's), so the rows share the cached 5-shot prefix;
 greedy, `ignore_eos`, one torch thread. By default every round reruns the same prompts (after the warm-up the whole
@@ -58,24 +56,17 @@ def switch(path: str, on: bool, saved: dict[str, Any]) -> None:
         prefix.HEAD_MAJOR_DTYPES = saved["head_major"] if on else ()
     elif path == "native-attention":
         native.set_enabled(on)
-    elif path == "small-pack":  # off: the avx2 bounds everywhere (F.linear under 2 MiB of float32 at any rows)
-        rule = saved["pack_rule"] if on else AVX2_PACK_RULE
-        cpu_gemm.DECODE_MIN_ELEMENTS, cpu_gemm.ANY_ROWS_ELEMENTS, cpu_gemm.PREFILL_ROWS = rule
-    else:  # bf16-pack: off runs bf16 under float32's avx2 rule
+    else:  # bf16-pack: off unpacks what float32's rule would not have packed
         cpu_gemm._CPU_HAS_BF16_DOT = saved["bf16_dot"] if on else False
-        rule = saved["pack_rule"] if on else AVX2_PACK_RULE
-        cpu_gemm.DECODE_MIN_ELEMENTS, cpu_gemm.ANY_ROWS_ELEMENTS, cpu_gemm.PREFILL_ROWS = rule
-
-
-# cpu_gemm's bounds before they depended on the instruction set: (decode min elements, one-row min, prefill rows)
-AVX2_PACK_RULE = (1 << 19, 3 << 19, 1 << 62)
+        for module, packed in saved["packed"]:
+            module.packed_weight = packed if on or module.weight.numel() >= cpu_gemm.PACK_MIN_ELEMENTS else None
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--path", required=True,
                    choices=["cascade", "dense-moe", "bf16-small-mm", "gqa-head-major", "bf16-pack",
-                                         "small-pack", "native-attention"])
+                                         "native-attention"])
     p.add_argument("--model", default=str(DEFAULT_MODEL))
     p.add_argument("--spec", default=None, help="speculative_config as JSON")
     p.add_argument("--batch", type=int, default=32)
@@ -88,10 +79,11 @@ def main() -> None:
     args = p.parse_args()
     llm = LLM(args.model, dtype=args.dtype, speculative_config=json.loads(args.spec) if args.spec else None)
     torch.set_num_threads(args.threads)
+    model = llm.engine.executor.runner.model
     saved = {"cascade": metadata.CASCADE_MIN_KEYS, "dense": moe.FusedMoE._dense_pays,
              "head_major": prefix.HEAD_MAJOR_DTYPES,
              "bf16_dot": cpu_gemm._CPU_HAS_BF16_DOT, "small_mm": prefix.small_matmul,
-             "pack_rule": (cpu_gemm.DECODE_MIN_ELEMENTS, cpu_gemm.ANY_ROWS_ELEMENTS, cpu_gemm.PREFILL_ROWS)}
+             "packed": [(m, m.packed_weight) for m in model.modules() if hasattr(m, "packed_weight")]}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     runs = 2 * args.reps + 2 if args.fresh else 1
     pool = bench_prompts(args.batch * runs) if args.zero_shot else prompts(args.batch * runs)

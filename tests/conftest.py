@@ -82,3 +82,13 @@ def without_native_attention(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setitem(native._state, "ok", False)
     monkeypatch.setenv("TANDEM_NATIVE_ATTENTION", "0")
+
+
+@pytest.fixture
+def native_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native CPU paged-attention kernel serving a float32 model in this process (whatever dtype an earlier
+    engine of this worker set), and built: a machine that cannot build it fails here rather than skipping."""
+    from tandem.attention import native
+
+    monkeypatch.setitem(native._model_dtype, 0, torch.float32)
+    assert native.enabled(), "the native CPU paged-attention kernel builds on this machine (g++ and ninja)"

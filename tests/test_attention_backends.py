@@ -16,7 +16,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 @pytest.mark.parametrize("arch,kind", [("llama", "full_attention"), ("deepseek_v3", "mla_attention")])
 @pytest.mark.parametrize("budget,reads", [(16, "gather"), (16, "in_place"), (16, "native"), (256, "default"),
                                           (256, "absorbed")])
-def test_every_backend_of_a_kind_gives_the_same_tokens(tiny_checkpoints, monkeypatch, arch, kind, budget, reads):
+def test_every_backend_of_a_kind_gives_the_same_tokens(tiny_checkpoints, monkeypatch, request, arch, kind, budget,
+                                                     reads):
     """budget 16: every row is short (absorbed MLA); 256: whole prompts are long rows (prefix + causal diagonal
     on the paged backends, expanded MLA by the cost formula, or absorbed when forced; whole padded rows on the
     contiguous ones). Short rows read their keys by a padded gather, in place (cache views of every run of two
@@ -26,7 +27,7 @@ def test_every_backend_of_a_kind_gives_the_same_tokens(tiny_checkpoints, monkeyp
     if reads in ("gather", "in_place"):
         monkeypatch.setitem(native._state, "ok", False)
     else:
-        assert native.enabled(), "the native CPU paged-attention kernel builds on this machine"
+        request.getfixturevalue("native_attention")
     if reads == "gather":
         monkeypatch.setattr("tandem.attention.metadata.IN_PLACE_MIN_KEYS", 10**9)
         monkeypatch.setattr("tandem.attention.metadata.GATHER_MAX_KEYS", 10**9)

@@ -17,9 +17,7 @@ from tandem.attention import native
 BLOCK = 16
 
 
-@pytest.fixture(autouse=True)
-def _kernel_built() -> None:
-    assert native.enabled(), "the native CPU paged-attention kernel builds on this machine (g++ and ninja)"
+pytestmark = pytest.mark.usefixtures("native_attention")
 
 
 def _layout(rng: np.random.Generator, num_rows: int, max_keys: int, pcp_like: bool):

@@ -13,16 +13,12 @@ pieces read it), so the packed copy is extra memory: about the model's linear we
 bfloat16 packs only where oneDNN has a bf16 path on this CPU (avx512bw/vl/dq or avx_ne_convert); elsewhere, and
 for other dtypes, the layer keeps F.linear. Where it packs, it packs from BF16_PACK_MIN_ELEMENTS on, one row included.
 
-A packed call costs ~50 us of fixed dispatch, so small GEMMs at decode row counts stay on F.linear
-(benchmarks/cpu_gemm.py measures both over weight shapes x rows). On an avx2 CPU: weights under
-DECODE_MIN_ELEMENTS are not used packed below PREFILL_ROWS rows (the bundled model's 256-wide projections lose at
-every row count up to 32), and a single-row call (a gemv, which F.linear does well) uses the packed weight only
-from ANY_ROWS_ELEMENTS on (the LM head at one row: 11.1 -> 6.6 ms; SmolLM2's [960, 576] qkv: 71 -> 86 us, a loss,
-but 142 -> 87 us at two rows). On an avx512 CPU (AMD EPYC, 2 cores, 2026-12-03) the packed kernel wins earlier:
-SmolLM2's [576, 576] o_proj at 32 rows 200 -> 175 us and at 1,024 rows 5.4 -> 3.5 ms, [576, 256] from 2 rows
-(27 -> 20 us), [576, 1536] at one row 95 -> 61 us; [256, 256] still loses up to 32 rows (45 vs 55 us) and wins
-at 1,024 (855 -> 746 us). So the bounds are per instruction set, and a prompt chunk (PREFILL_ROWS rows or more)
-runs every weight from PACK_ANY_MIN_ELEMENTS on packed.
+A packed call costs ~50 us of fixed dispatch, so small GEMMs stay on F.linear (benchmarks/cpu_gemm.py measures
+both over weight shapes x rows): weights under PACK_MIN_ELEMENTS are not packed (the bundled model's 256-wide
+projections lose at every row count up to 32), and a single-row call (a gemv, which F.linear does well) uses the
+packed weight only from ANY_ROWS_ELEMENTS on (the LM head at one row: 11.1 -> 6.6 ms; SmolLM2's [960, 576] qkv:
+71 -> 86 us, a loss, but 142 -> 87 us at two rows; its [3072, 576] gate_up at one row measured a gain in one run
+and a loss in another, and end to end slightly better packed).
 """
 
 from __future__ import annotations
@@ -33,16 +29,11 @@ from torch import nn
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 DECODE_ROWS_HINT = 32  # the rows oneDNN blocks a packed weight for; any row count runs on it
-_AVX512 = torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16", "AMX")
-# below this many elements F.linear wins at decode row counts (avx2: 2 MiB of float32; avx512: 512 KiB)
-DECODE_MIN_ELEMENTS = 1 << 17 if _AVX512 else 1 << 19
-ANY_ROWS_ELEMENTS = 1 << 19 if _AVX512 else 3 << 19  # from here the packed weight wins at one row too
-PREFILL_ROWS = 256  # a call of this many rows or more (a prompt chunk) runs packed from PACK_ANY_MIN_ELEMENTS on
-PACK_ANY_MIN_ELEMENTS = 1 << 15  # smaller weights are never packed: the packed call's fixed cost outweighs them
-PACK_MIN_ELEMENTS = PACK_ANY_MIN_ELEMENTS  # (name kept for benchmarks/fast_paths.py's bf16-pack switch)
+PACK_MIN_ELEMENTS = 1 << 19  # 2 MiB of float32: below it F.linear wins at decode row counts
+ANY_ROWS_ELEMENTS = 3 << 19  # from here the packed weight wins at one row too
 # bfloat16 on a CPU with bf16 dot products: the packed GEMM won at every shape and row count measured, one row
 # included (AMD EPYC, avx512_bf16: [576, 576] at 1 / 32 rows 83 -> 44 / 121 -> 106 us, [128, 256] 29 -> 24 us)
-BF16_PACK_MIN_ELEMENTS = PACK_ANY_MIN_ELEMENTS
+BF16_PACK_MIN_ELEMENTS = 1 << 15
 _CPU_HAS_BF16_DOT = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
@@ -51,10 +42,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """x: [..., K]; weight: [N, K] -> [..., N]. `packed`: the weight in oneDNN's layout (prepack), or None."""
     if packed is None or torch.compiler.is_compiling():  # the compiler packs (freezing) what it compiles
         return F.linear(x, weight, bias)
-    if not _native_bf16(weight.dtype):
-        rows = x.numel() // x.shape[-1]
-        if rows < PREFILL_ROWS and weight.numel() < (ANY_ROWS_ELEMENTS if rows == 1 else DECODE_MIN_ELEMENTS):
-            return F.linear(x, weight, bias)
+    if x.numel() == x.shape[-1] and weight.numel() < ANY_ROWS_ELEMENTS and not _native_bf16(weight.dtype):  # a gemv
+        return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -65,9 +54,7 @@ def _native_bf16(dtype: torch.dtype) -> bool:
 
 def prepack(weight: torch.Tensor) -> torch.Tensor | None:
     """weight [N, K] -> the same in oneDNN's blocked layout, or None where oneDNN cannot run it here."""
-    # bf16 without bf16 dot products (emulated) keeps the bound it was measured at
-    min_elements = DECODE_MIN_ELEMENTS if weight.dtype == torch.bfloat16 and not _native_bf16(weight.dtype) \
-        else PACK_ANY_MIN_ELEMENTS
+    min_elements = BF16_PACK_MIN_ELEMENTS if _native_bf16(weight.dtype) else PACK_MIN_ELEMENTS
     if weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES or weight.dim() != 2 \
             or weight.numel() < min_elements or not torch.backends.mkldnn.is_available():
         return None

@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from tandem.attention import native
 from tandem.attention.backend import select_target_backends
 from tandem.attention.forward_context import forward_context
 from tandem.attention.layer import Attention, MLAAttention
@@ -47,6 +48,7 @@ class ModelRunner:
         self.proposer: Proposer = build_proposer(config, self.model, self.draft_mode, self.backends)
         # oneDNN-packed weights on the CPU; compiled pieces get theirs from inductor's freezing
         prepack_linears(self.model, lm_head_only=self.compilation.compiles)
+        native.use_for(config.model_config.dtype)  # the native attention kernel serves float32 models
         compile_model(self.model, self.compilation)
         # distributions the last proposal's drafts were sampled from, per request (probabilistic drafting)
         self.draft_probs: dict[str, torch.Tensor] = {}

@@ -118,7 +118,9 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
   const T* qp = q.data_ptr<T>();
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
-  const int64_t q_tok = q.stride(0), q_head = q.stride(1);
+  T* op = out.data_ptr<T>();
+  float* lp = lse.data_ptr<float>();
+  const int64_t q_tok = q.stride(0), q_head = q.stride(1), o_tok = out.stride(0), o_head = out.stride(1);
   const int64_t k_slot = k.stride(0), k_head = k.stride(1), v_slot = v.stride(0), v_head = v.stride(1);
   const float fscale = static_cast<float>(scale);
 
@@ -130,37 +132,60 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
   // enough tasks for every thread (a long row split into chunks, merged after), no chunk past kMaxChunk
   const int64_t want = (4 * at::get_num_threads() + num_rows - 1) / num_rows;
   const int64_t chunk = std::min(kMaxChunk, std::max(kMinChunk, (max_keys + want - 1) / want));
-  const int64_t max_chunks = (max_keys + chunk - 1) / chunk;
-  // query vectors of a row: head h's query i at h * n + i (every KV head's r heads side by side)
-  const int64_t qrows = hq * max_q;
-  const int64_t tasks = num_rows * max_chunks;
-  // per task: each query vector's max and sum over the chunk's keys, and its weighted values
-  std::vector<float> part_m(tasks * qrows), part_l(tasks * qrows), part_acc(tasks * qrows * dv);
+  // tasks: row i's chunks are tasks first_task[i] .. first_task[i + 1] - 1; only a row of several chunks keeps
+  // partial results (each query's max, sum and weighted values per chunk), from part_at[i] on
+  std::vector<int64_t> first_task(num_rows + 1, 0), part_at(num_rows, 0);
+  int64_t parts = 0;
+  for (int64_t i = 0; i < num_rows; ++i) {
+    const int64_t chunks = std::max<int64_t>(1, (rw[5 * i + 3] - rw[5 * i + 4] + chunk - 1) / chunk);
+    first_task[i + 1] = first_task[i] + chunks;
+    part_at[i] = parts;
+    if (chunks > 1) parts += chunks * hq * rw[5 * i + 2];
+  }
+  const int64_t tasks = first_task[num_rows];
+  std::vector<float> part_m(parts), part_l(parts), part_acc(parts * dv);
+  const int64_t qrows = hq * max_q;  // query vectors of a row: head h's query i at h * n + i
 
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(qrows * dk), kbuf(std::max(dk, dv)), scores(qrows * chunk);
-    std::vector<int64_t> width_of(qrows);
+    // per thread, reused across calls (sized by the largest call seen), read through plain pointers: a
+    // thread_local looked up in the loops would cost a TLS call per access in a shared library
+    thread_local std::vector<float> tl_qf, tl_kbuf, tl_scores, tl_m, tl_l, tl_acc;
+    thread_local std::vector<int64_t> tl_width;
+    auto grow = [](auto& vec, int64_t size) {
+      if (static_cast<int64_t>(vec.size()) < size) vec.resize(size);
+      return vec.data();
+    };
+    float* qf = grow(tl_qf, qrows * dk);
+    float* kbuf = grow(tl_kbuf, std::max(dk, dv));
+    float* scores = grow(tl_scores, qrows * chunk);
+    float* m_buf = grow(tl_m, qrows);
+    float* l_buf = grow(tl_l, qrows);
+    float* acc_buf = grow(tl_acc, qrows * dv);
+    int64_t* width_of = grow(tl_width, qrows);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t row = task / max_chunks, c = task % max_chunks;
+      const int64_t row = std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
+      const int64_t c = task - first_task[row], chunks = first_task[row + 1] - first_task[row];
       const int32_t* rr = rw + 5 * row;
       const int64_t t0 = rr[1], n = rr[2], seq_len = rr[3], key_start = rr[4];
       const int32_t* blocks = table + rr[0] * table_stride;
       const int64_t lo = key_start + c * chunk, hi = std::min<int64_t>(seq_len, lo + chunk);
       const int64_t nq = hq * n;
-      float* m = part_m.data() + task * qrows;
-      float* l = part_l.data() + task * qrows;
-      float* acc = part_acc.data() + task * qrows * dv;
+      const bool split = chunks > 1;
+      float* m = split ? part_m.data() + part_at[row] + c * nq : m_buf;
+      float* l = split ? part_l.data() + part_at[row] + c * nq : l_buf;
+      float* acc = split ? part_acc.data() + (part_at[row] + c * nq) * dv : acc_buf;
       std::fill(m, m + nq, kNegInf);
       std::fill(l, l + nq, 0.f);
       std::fill(acc, acc + nq * dv, 0.f);
-      if (lo >= hi) continue;
       int64_t width = 0;  // keys of the chunk that any query sees
       for (int64_t h = 0; h < hq; ++h) {
         for (int64_t i = 0; i < n; ++i) {
-          const float* src = as_float(qp + (t0 + i) * q_tok + h * q_head, qf.data() + (h * n + i) * dk, dk);
-          if (src != qf.data() + (h * n + i) * dk) std::memcpy(qf.data() + (h * n + i) * dk, src, dk * sizeof(float));
+          float* dst = qf + (h * n + i) * dk;
+          const float* src = as_float(qp + (t0 + i) * q_tok + h * q_head, dst, dk);
+          if (src != dst) std::memcpy(dst, src, dk * sizeof(float));
           // causal: query i sees the keys up to its own position
-          const int64_t w = std::clamp<int64_t>(std::min<int64_t>(pos[t0 + i] + 1, seq_len) - lo, 0, hi - lo);
+          const int64_t w = std::clamp<int64_t>(std::min<int64_t>(pos[t0 + i] + 1, seq_len) - lo, 0,
+                                                std::max<int64_t>(hi - lo, 0));
           width_of[h * n + i] = w;
           width = std::max(width, w);
         }
@@ -175,16 +200,16 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
           for (int64_t b = 0; b < hkv * k_head * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(next + b);
         }
         for (int64_t g = 0; g < hkv; ++g) {
-          const float* key = as_float(kp + slot * k_slot + g * k_head, kbuf.data(), dk);
+          const float* key = as_float(kp + slot * k_slot + g * k_head, kbuf, dk);
           for (int64_t j = g * r * n; j < (g + 1) * r * n; ++j) {
-            if (s < width_of[j]) scores[j * chunk + s] = dot(qf.data() + j * dk, key, dk) * fscale;
+            if (s < width_of[j]) scores[j * chunk + s] = dot(qf + j * dk, key, dk) * fscale;
           }
         }
       }
       for (int64_t j = 0; j < nq; ++j) {
         const int64_t w = width_of[j];
         if (w == 0) continue;  // no key of this chunk is visible to this query
-        float* sj = scores.data() + j * chunk;
+        float* sj = scores + j * chunk;
         float mx = kNegInf;
         for (int64_t s = 0; s < w; ++s) mx = std::max(mx, sj[s]);
         m[j] = mx;
@@ -194,40 +219,48 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
         const int64_t p = lo + s;
         const int64_t slot = static_cast<int64_t>(blocks[p / block_size]) * block_size + p % block_size;
         for (int64_t g = 0; g < hkv; ++g) {
-          const float* value = as_float(vp + slot * v_slot + g * v_head, kbuf.data(), dv);
+          const float* value = as_float(vp + slot * v_slot + g * v_head, kbuf, dv);
           for (int64_t j = g * r * n; j < (g + 1) * r * n; ++j) {
             if (s < width_of[j]) axpy(scores[j * chunk + s], value, acc + j * dv, dv);
           }
         }
       }
+      if (split) continue;  // merged below
+      for (int64_t h = 0; h < hq; ++h) {
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t j = h * n + i;
+          const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
+          T* o = op + (t0 + i) * o_tok + h * o_head;
+          for (int64_t d = 0; d < dv; ++d) o[d] = static_cast<T>(acc[j * dv + d] * inv);
+          lp[(t0 + i) * hq + h] = l[j] > 0.f ? m[j] + std::log(l[j]) : kNegInf;
+        }
+      }
     }
   });
+  if (parts == 0) return;
 
-  // merge each query vector's chunks: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c
-  T* op = out.data_ptr<T>();
-  float* lp = lse.data_ptr<float>();
-  const int64_t o_tok = out.stride(0), o_head = out.stride(1);
+  // merge the chunks of each split row's queries: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c
   at::parallel_for(0, num_rows * hq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> merged(dv);
     for (int64_t rh = begin; rh < end; ++rh) {
       const int64_t row = rh / hq, h = rh % hq;
+      const int64_t chunks = first_task[row + 1] - first_task[row];
+      if (chunks == 1) continue;
       const int32_t* rr = rw + 5 * row;
-      const int64_t t0 = rr[1], n = rr[2];
-      const int64_t chunks = std::max<int64_t>(1, (rr[3] - rr[4] + chunk - 1) / chunk);
+      const int64_t t0 = rr[1], n = rr[2], nq = hq * n;
       for (int64_t i = 0; i < n; ++i) {
         const int64_t qv = h * n + i;
         float big = kNegInf;
-        for (int64_t c = 0; c < chunks; ++c) big = std::max(big, part_m[(row * max_chunks + c) * qrows + qv]);
+        for (int64_t c = 0; c < chunks; ++c) big = std::max(big, part_m[part_at[row] + c * nq + qv]);
         std::fill(merged.begin(), merged.end(), 0.f);
         float total = 0.f;
         if (big != kNegInf) {
           for (int64_t c = 0; c < chunks; ++c) {
-            const int64_t task = row * max_chunks + c;
-            const float mc = part_m[task * qrows + qv];
-            if (mc == kNegInf) continue;
-            const float w = std::exp(mc - big);
-            total += w * part_l[task * qrows + qv];
-            axpy(w, part_acc.data() + (task * qrows + qv) * dv, merged.data(), dv);
+            const int64_t at = part_at[row] + c * nq + qv;
+            if (part_m[at] == kNegInf) continue;
+            const float w = std::exp(part_m[at] - big);
+            total += w * part_l[at];
+            axpy(w, part_acc.data() + at * dv, merged.data(), dv);
           }
         }
         const float inv = total > 0.f ? 1.f / total : 0.f;

@@ -90,5 +90,5 @@ def native_attention(monkeypatch: pytest.MonkeyPatch) -> None:
     engine of this worker set), and built: a machine that cannot build it fails here rather than skipping."""
     from tandem.attention import native
 
-    monkeypatch.setitem(native._model_dtype, 0, torch.float32)
+    monkeypatch.setitem(native._model, "dtype", torch.float32)
     assert native.enabled(), "the native CPU paged-attention kernel builds on this machine (g++ and ninja)"

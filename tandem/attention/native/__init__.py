@@ -34,18 +34,18 @@ _state: dict[str, bool] = {}
 # tiny random MoE checkpoints a 1-ulp difference flips a router's top-k and moves the greedy tokens far off
 # (tests/test_bf16_parity.py). The kernel itself computes bf16 caches correctly (tests/test_native_attention.py).
 NATIVE_DTYPES = (torch.float32,)
-_model_dtype: list[torch.dtype] = [torch.float32]
+_model: dict[str, torch.dtype] = {"dtype": torch.float32}
 
 
 def use_for(dtype: torch.dtype) -> None:
     """The model runner's dtype: the kernel serves it when it is one of NATIVE_DTYPES."""
-    _model_dtype[0] = dtype
+    _model["dtype"] = dtype
 
 
 def enabled() -> bool:
     """True when the kernel serves this process's model: its dtype is one of NATIVE_DTYPES and the kernel is built
     and loaded (built on the first call)."""
-    if _model_dtype[0] not in NATIVE_DTYPES:
+    if _model["dtype"] not in NATIVE_DTYPES:
         return False
     if "ok" in _state:
         return _state["ok"]

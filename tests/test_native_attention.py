@@ -125,16 +125,20 @@ def test_rows_out_of_range_are_refused():
     ("deepseek_v3", {"method": "mtp", "num_speculative_tokens": 3}),
 ])
 def test_engine_tokens_equal_the_pytorch_path(tiny_checkpoints, monkeypatch, arch, spec):
-    """Greedy tokens with the kernel and with the PyTorch path (padded gathers + SDPA, in-place views): decodes,
-    verification rows of K + 1 tokens and, with a budget of 16 tokens a step, prompt chunks as short rows."""
+    """Greedy tokens and accepted drafts with the kernel and with the PyTorch path (padded gathers + SDPA, in-place
+    views): decodes, verification rows of K + 1 tokens, MTP's draft decodes and, with a budget of 16 tokens a step,
+    prompt chunks as short rows."""
     path = str(tiny_checkpoints(arch, num_mtp_layers=1) if arch == "deepseek_v3" else tiny_checkpoints(arch))
     prompts = random_prompts([5, 19, 33, 70], vocab_size=500, seed=23)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    tokens = {}
+    tokens, accepted = {}, {}
     for on in (True, False):
         monkeypatch.setitem(native._state, "ok", on)
         llm = LLM(path, dtype="float32", max_num_batched_tokens=16, speculative_config=spec)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         tokens[on] = [o.outputs[0].token_ids for o in outs]
+        accepted[on] = [getattr(m, "value", None) for m in llm.get_metrics()
+                        if m.name == "tandem:spec_decode_num_accepted_tokens"]
         llm.shutdown()
     assert tokens[True] == tokens[False]
+    assert accepted[True] == accepted[False], "the drafts (MTP's draft decodes read their keys natively) agree"

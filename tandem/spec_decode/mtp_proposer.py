@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+from tandem.attention import native
 from tandem.attention.backend import AttentionBackend
 from tandem.attention.forward_context import forward_context
 from tandem.attention.metadata import PAD_SLOT_ID, AttentionMetadata, build_attention_metadata
@@ -202,9 +203,16 @@ class DraftDecodeMetadata:
                 clamped.cpu().numpy(), self.query_start_loc.numpy(), seq_lens.numpy(), self.table.cpu().numpy(),
                 write_rows.cpu().numpy(), slots[writes].cpu().numpy(), clamped.device)
         if self.base is None:
+            # the native kernel reads each row's keys up to its own seq_len: no key bound, no padded group to re-mask
+            bound = None if native.enabled() and clamped.device.type == "cpu" else self.max_seq_len
             self.base = build_attention_metadata(clamped, self.query_start_loc, seq_lens, self.table,
-                                                 self.block_size, write_rows, slots[writes], key_bound=self.max_seq_len)
+                                                 self.block_size, write_rows, slots[writes], key_bound=bound)
             return self.base
+        if self.base.native_rows is not None:  # the same rows one position on (a shared prefix stays shared)
+            rows = self.base.native_rows.clone()
+            rows[:, 3] = seq_lens
+            return dataclasses.replace(self.base, positions=clamped, seq_lens_cpu=seq_lens, write_rows=write_rows,
+                                       write_slots=slots[writes], native_rows=rows)
         (group,) = self.base.groups  # one group of one-token rows, keys gathered up to max_seq_len
         # (from key_offset on: a shared prefix before it is attended apart and seen by every row)
         k_pos = torch.arange(group.key_offset, group.key_offset + group.kv_slots.shape[1], device=clamped.device)

@@ -97,6 +97,8 @@ def native_short_rows(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tenso
     out = qc.new_zeros(q.shape[0], q.shape[1], dv)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32)  # [T, Hq]
     positions = meta.positions if meta.positions.dtype == torch.int64 else meta.positions.long()
+    if positions.shape[0] < q.shape[0]:  # graph padding after the rows (MTP's padded draft decodes): in no row
+        positions = torch.cat((positions, positions.new_zeros(q.shape[0] - positions.shape[0])))
     native.paged_attention(qc, k_flat, values, meta.block_table, rows, positions.contiguous(), meta.block_size,
                            scale, out, lse)
     return out.to(q.dtype), None if meta.shared_prefix is None else lse

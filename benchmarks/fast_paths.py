@@ -2,7 +2,8 @@
 alternating rounds (ABBA...), so the shared machine's drift hits both sides alike; prints median and best tok/s of
 each side and whether the tokens are identical.
 
-    python benchmarks/fast_paths.py --path cascade|dense-moe|bf16-small-mm|gqa-head-major|bf16-pack|native-attention
+    python benchmarks/fast_paths.py --path cascade|dense-moe|bf16-small-mm|gqa-head-major|bf16-pack|native-kernels|
+        native-elementwise
         [--model PATH] [--dtype float32] [--spec JSON] [--batch 32] [--reps 4] [--max-tokens 96] [--fresh]
         [--zero-shot] [--threads 1]
 
@@ -12,8 +13,9 @@ each side and whether the tokens are identical.
 `gqa-head-major`: bf16/fp16 few-query GQA attention as matmuls over a head-major K/V copy (prefix.HEAD_MAJOR_DTYPES)
 instead of CPU SDPA. `bf16-pack`: bf16 weights packed from cpu_gemm.BF16_PACK_MIN_ELEMENTS on, one row included,
 where the CPU has bf16 dot products; off is float32's rule (PACK_MIN_ELEMENTS, F.linear for one row).
-`native-attention`: short rows through the native CPU paged-attention kernel (tandem/attention/native, float32
-models); off is the PyTorch path (padded gathers + SDPA, in-place views).
+`native-kernels`: every native CPU kernel (tandem/native, float32 models): short rows' paged attention, RMSNorm,
+silu(gate) * up, rotary; off is the PyTorch paths (padded gathers + SDPA, in-place views; the ops' formulas).
+`native-elementwise`: only the elementwise kernels (RMSNorm, silu(gate) * up, rotary), attention native both ways.
 `--zero-shot`: the bare GSM8K questions of `tandem bench offline` instead (no shared prefix, so no cascade).
 Prompts: 5-shot GSM8K test questions (benchmarks/spec_decode.py's), so the rows share the cached 5-shot prefix;
 greedy, `ignore_eos`, one torch thread. By default every round reruns the same prompts (after the warm-up the whole
@@ -54,8 +56,10 @@ def switch(path: str, on: bool, saved: dict[str, Any]) -> None:
         prefix.small_matmul = saved["small_mm"] if on else torch.matmul
     elif path == "gqa-head-major":
         prefix.HEAD_MAJOR_DTYPES = saved["head_major"] if on else ()
-    elif path == "native-attention":
+    elif path == "native-kernels":
         native.set_enabled(on)
+    elif path == "native-elementwise":  # the layers ask native.serves before each elementwise kernel
+        native.serves = saved["serves"] if on else (lambda x: False)  # type: ignore[assignment]
     else:  # bf16-pack: off unpacks what float32's rule would not have packed
         cpu_gemm._CPU_HAS_BF16_DOT = saved["bf16_dot"] if on else False
         for module, packed in saved["packed"]:
@@ -66,7 +70,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--path", required=True,
                    choices=["cascade", "dense-moe", "bf16-small-mm", "gqa-head-major", "bf16-pack",
-                                         "native-attention"])
+                                         "native-kernels", "native-elementwise"])
     p.add_argument("--model", default=str(DEFAULT_MODEL))
     p.add_argument("--spec", default=None, help="speculative_config as JSON")
     p.add_argument("--batch", type=int, default=32)
@@ -81,7 +85,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = llm.engine.executor.runner.model
     saved = {"cascade": metadata.CASCADE_MIN_KEYS, "dense": moe.FusedMoE._dense_pays,
-             "head_major": prefix.HEAD_MAJOR_DTYPES,
+             "head_major": prefix.HEAD_MAJOR_DTYPES, "serves": native.serves,
              "bf16_dot": cpu_gemm._CPU_HAS_BF16_DOT, "small_mm": prefix.small_matmul,
              "packed": [(m, m.packed_weight) for m in model.modules() if hasattr(m, "packed_weight")]}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)

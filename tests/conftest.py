@@ -74,21 +74,21 @@ def smollm2() -> Path:
 
 
 @pytest.fixture
-def without_native_attention(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The PyTorch attention path (padded gathers, in-place views) in this process, instead of the native CPU
-    kernel (tandem/attention/native): tests of those paths use it, as do runs off the CPU and machines with no
-    compiler. Subprocesses (multi-rank workers) read TANDEM_NATIVE_ATTENTION."""
-    from tandem.attention import native
+def without_native_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The PyTorch paths (attention: padded gathers, in-place views; norms, SwiGLU, rotary) in this process, instead
+    of the native CPU kernels (tandem/native): tests of those paths use it, as do runs off the CPU and machines with
+    no compiler. Subprocesses (multi-rank workers) read TANDEM_NATIVE_KERNELS."""
+    from tandem import native
 
     monkeypatch.setitem(native._state, "ok", False)
-    monkeypatch.setenv("TANDEM_NATIVE_ATTENTION", "0")
+    monkeypatch.setenv("TANDEM_NATIVE_KERNELS", "0")
 
 
 @pytest.fixture
-def native_attention(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The native CPU paged-attention kernel serving a float32 model in this process (whatever dtype an earlier
-    engine of this worker set), and built: a machine that cannot build it fails here rather than skipping."""
-    from tandem.attention import native
+def native_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native CPU kernels serving a float32 model in this process (whatever dtype an earlier engine of this
+    worker set), and built: a machine that cannot build them fails here rather than skipping."""
+    from tandem import native
 
     monkeypatch.setitem(native._model, "dtype", torch.float32)
-    assert native.enabled(), "the native CPU paged-attention kernel builds on this machine (g++ and ninja)"
+    assert native.enabled(), "the native CPU kernels build on this machine (g++ and ninja)"

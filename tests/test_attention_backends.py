@@ -22,12 +22,12 @@ def test_every_backend_of_a_kind_gives_the_same_tokens(tiny_checkpoints, monkeyp
     on the paged backends, expanded MLA by the cost formula, or absorbed when forced; whole padded rows on the
     contiguous ones). Short rows read their keys by a padded gather, in place (cache views of every run of two
     blocks or more), or through the native CPU kernel (the default where it builds)."""
-    from tandem.attention import native
+    from tandem import native
 
     if reads in ("gather", "in_place"):
         monkeypatch.setitem(native._state, "ok", False)
     else:
-        request.getfixturevalue("native_attention")
+        request.getfixturevalue("native_kernels")
     if reads == "gather":
         monkeypatch.setattr("tandem.attention.metadata.IN_PLACE_MIN_KEYS", 10**9)
         monkeypatch.setattr("tandem.attention.metadata.GATHER_MAX_KEYS", 10**9)

@@ -11,8 +11,7 @@ import pytest
 import torch
 from engine_utils import random_prompts
 
-from tandem import LLM, SamplingParams
-from tandem.attention import native
+from tandem import LLM, SamplingParams, native
 from tandem.attention.backends.prefix import prefix_attention
 from tandem.attention.metadata import build_attention_metadata
 
@@ -83,7 +82,7 @@ CASES = [  # (q_lens, seq_lens, shared blocks, rows at the end that share nothin
 @pytest.mark.parametrize("mla", [False, True])
 def test_shared_prefix_attention_equals_dense_causal_reference(monkeypatch, request, case, reads, scattered, mla):
     if reads == "native":
-        request.getfixturevalue("native_attention")
+        request.getfixturevalue("native_kernels")
     else:
         monkeypatch.setitem(native._state, "ok", False)
     if reads == "in_place":

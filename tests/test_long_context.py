@@ -9,8 +9,7 @@ import pytest
 import torch
 from engine_utils import random_prompts
 
-from tandem import LLM, SamplingParams
-from tandem.attention import native
+from tandem import LLM, SamplingParams, native
 
 VOCAB = 512
 PROMPT_LENGTHS = [4000, 1500, 40]

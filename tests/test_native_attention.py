@@ -1,4 +1,4 @@
-"""The native CPU paged-attention kernel (tandem/attention/native): on seeded random paged layouts (GQA with its own
+"""The native CPU paged-attention kernel (tandem/native): on seeded random paged layouts (GQA with its own
 values, MLA-style latents whose values are the keys' first channels; decodes, verification rows, rows behind a
 shared prefix, PCP-like rows whose positions skip, rows long enough to be split into chunks) its output and LSE
 equal a float64 reference in float32 and to bf16's precision in bfloat16, tokens in no row stay zero, a row out
@@ -11,13 +11,12 @@ import pytest
 import torch
 from engine_utils import random_prompts
 
-from tandem import LLM, SamplingParams
-from tandem.attention import native
+from tandem import LLM, SamplingParams, native
 
 BLOCK = 16
 
 
-pytestmark = pytest.mark.usefixtures("native_attention")
+pytestmark = pytest.mark.usefixtures("native_kernels")
 
 
 def _layout(rng: np.random.Generator, num_rows: int, max_keys: int, pcp_like: bool):

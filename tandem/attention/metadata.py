@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tandem.attention import native
+from tandem import native
 
 PAD_SLOT_ID = -1  # slot_mapping value meaning "write nothing"
 SHORT_ROW_TOKENS = 16  # rows up to this many query tokens share one padded attention call (or read in place)
@@ -142,7 +142,7 @@ class AttentionMetadata:
     # keys that >= 2 long rows (prompt chunks; LongRow.shares_prefix) share: MLA expands their latents once a layer,
     # not once a row (its token_idx is unused)
     long_prefix: SharedPrefix | None = None
-    # the short rows for the native CPU kernel (tandem/attention/native), which reads their keys in place through
+    # the short rows for the native CPU kernel (tandem/native), which reads their keys in place through
     # block_table: int32 [R, 5] = (block-table row, first query token, queries, seq_len, first key position), or
     # None: `groups` / `row_keys` serve them
     native_rows: torch.Tensor | None = None

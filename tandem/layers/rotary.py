@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tandem import native
+
 
 def rope_params(hf: Any) -> tuple[float, dict[str, Any]]:
     """(rope_theta, scaling dict with a "rope_type" key, {} for plain RoPE) from a config namespace."""
@@ -100,6 +102,10 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rotate the first `rotary_dim` dims of each x: [num_tokens, num_heads, head_dim]."""
+        if all(native.serves(x) and x.dim() == 3 for x in xs) and self.cos_cache.dtype == torch.float32:
+            # one pass a tensor instead of the gathers, slices, muls and cats below (tandem/native)
+            return tuple(native.rotary(x, positions, self.cos_cache, self.sin_cache, self.rotary_dim,
+                                       self.interleaved) for x in xs)
         if self.interleaved and not torch.compiler.is_compiling() and all(_complex_view_ok(x, self.rotary_dim)
                                                                           for x in xs):
             # eager float32: each adjacent pair is one complex number, rotated by one complex multiply (one op

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from tandem.attention import native
+from tandem import native
 from tandem.attention.backend import AttentionBackend
 from tandem.attention.forward_context import forward_context
 from tandem.attention.metadata import PAD_SLOT_ID, AttentionMetadata, build_attention_metadata

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from tandem.attention import native
+from tandem import native
 from tandem.attention.backend import select_target_backends
 from tandem.attention.forward_context import forward_context
 from tandem.attention.layer import Attention, MLAAttention
@@ -21,6 +21,7 @@ from tandem.spec_decode.draft_mode import resolve_draft_mode
 from tandem.spec_decode.factory import build_proposer
 from tandem.spec_decode.proposer import Proposer, TargetStep
 from tandem.spec_decode.rejection_sampler import rejection_sample
+from tandem.worker.host_memory import keep_freed_memory
 from tandem.worker.input_batch import InputBuffers, global_attention_metadata, padding_batch, prepare_inputs
 from tandem.worker.kv_cache import allocate_kv_caches, attention_modules, bytes_per_block
 from tandem.worker.pcp_hooks import LocalBatch, make_pcp_hooks
@@ -30,6 +31,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, groups: ParallelGroups = SINGLE_RANK):
         self.config = config
         self.device = config.device
+        keep_freed_memory()  # steps reuse their activations' pages instead of faulting fresh ones in (host_memory.py)
         self.block_size = config.cache_config.block_size
         # MTP layers only ever draft: without MTP drafting their weights and KV cache would be dead weight
         self.model = build_model(config.model_config, groups, self.device,

@@ -21,7 +21,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from tandem.attention import native
+from tandem import native
 from tandem.attention.causal_rows import attention_with_lse, causal_row_attention, merge_attn_states
 from tandem.attention.metadata import AttentionMetadata, RowKeys, SharedPrefix, gather_rows, select_rows
 from tandem.attention.sharded_kv import ShardedAttentionMetadata

@@ -1,0 +1,121 @@
+"""tandem's native CPU kernels, one C++ extension built once per machine:
+
+- paged_attention.cpp: paged attention for short rows (decodes, verification rows), reading keys and values in
+  place through the block table. Plain PyTorch ops cannot read a paged cache in place: the fallback gathers every
+  row's keys and values into a padded copy a layer (index_select), builds a mask, and calls SDPA, whose CPU kernel
+  pays ~5 us of fixed work per (row, KV head) at decode sizes.
+- elementwise.cpp: RMSNorm, silu(gate) * up and rotary embedding, one pass and one dispatch each instead of 3-10
+  PyTorch ops (every one a ~5-15 us dispatch at decode sizes and a pass over memory at prompt sizes).
+
+vLLM's CPU backend has its own C++ ops for the same reasons. The extension is compiled with torch's C++ extension
+builder (the C++ compiler and ninja that inductor's CPU code generation needs too), cached under torch's extensions
+folder, and loaded on first use. Where it cannot be built (no compiler) the engine keeps the PyTorch paths and says
+so once. `TANDEM_NATIVE_KERNELS=0` turns all of it off (`TANDEM_NATIVE_ATTENTION=0`, its earlier name, too).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("tandem")
+
+_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "elementwise.cpp")]
+_OPS = ("paged_attention", "rms_norm", "silu_and_mul", "rotary")
+ISA_FLAGS = {"AVX2": ["-mavx2", "-mfma", "-mf16c"],
+             "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"]}
+_lock = threading.Lock()
+_state: dict[str, bool] = {}
+
+
+# Model dtypes the kernel serves. bfloat16 keeps the PyTorch path: its matmuls round the scores and probabilities to
+# bf16 as Hugging Face's bf16 attention does, and the kernel's float32 scores part ways with those roundings; on the
+# tiny random MoE checkpoints a 1-ulp difference flips a router's top-k and moves the greedy tokens far off
+# (tests/test_bf16_parity.py). The kernel itself computes bf16 caches correctly (tests/test_native_attention.py).
+NATIVE_DTYPES = (torch.float32,)
+_model: dict[str, torch.dtype] = {"dtype": torch.float32}
+
+
+def use_for(dtype: torch.dtype) -> None:
+    """The model runner's dtype: the kernel serves it when it is one of NATIVE_DTYPES."""
+    _model["dtype"] = dtype
+
+
+def enabled() -> bool:
+    """True when the kernel serves this process's model: its dtype is one of NATIVE_DTYPES and the kernel is built
+    and loaded (built on the first call)."""
+    if _model["dtype"] not in NATIVE_DTYPES:
+        return False
+    if "ok" in _state:
+        return _state["ok"]
+    with _lock:
+        if "ok" not in _state:
+            _state["ok"] = _load()
+    return _state["ok"]
+
+
+def set_enabled(on: bool) -> None:
+    """Turn the kernels off (or back on, where they load): tests and the A/B benchmark compare both paths."""
+    _state["ok"] = on and _load()
+
+
+def _load() -> bool:
+    if "0" in (os.environ.get("TANDEM_NATIVE_KERNELS", "1"), os.environ.get("TANDEM_NATIVE_ATTENTION", "1")):
+        return False
+    if _built():
+        return True
+    try:
+        from torch.utils.cpp_extension import load
+
+        capability = torch.backends.cpu.get_cpu_capability()
+        # the instruction set torch itself dispatches to here, named in the build's name: a build cached by one
+        # kind of CPU is never loaded by another
+        flags = ["-O3", "-fopenmp", *ISA_FLAGS.get(capability, [])]
+        load(name=f"tandem_native_{capability.lower()}", sources=[str(p) for p in _SOURCES], extra_cflags=flags,
+             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    except Exception as e:  # no compiler, no ninja, a build error: the PyTorch path serves
+        log.warning("tandem: the native CPU kernels could not be built (%s: %s); attention, norms, SwiGLU and "
+                    "rotary use the PyTorch paths", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return False
+    return _built()
+
+
+def _built() -> bool:
+    return all(hasattr(torch.ops.tandem_native, op) for op in _OPS)
+
+
+def serves(x: torch.Tensor) -> bool:
+    """True when the elementwise kernels should compute on x: a float32 CPU tensor of an eager float32 model whose
+    kernels are loaded (inductor fuses these ops itself in compiled pieces)."""
+    return (x.dtype == torch.float32 and x.device.type == "cpu" and not torch.compiler.is_compiling()
+            and enabled())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., H] float32 (last dim contiguous) -> weight * x * rsqrt(mean(x^2) + eps), a new [..., H]."""
+    return torch.ops.tandem_native.rms_norm(x, weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [..., 2I] float32 ([gate | up]) -> silu(gate) * up, a new [..., I]."""
+    return torch.ops.tandem_native.silu_and_mul(gate_up)
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
+           interleaved: bool) -> torch.Tensor:
+    """x: [T, H, D] float32 (D contiguous); positions: [T] int64; cos, sin: [max_position, rotary_dim / 2] float32
+    -> a new [T, H, D] with each head's first rotary_dim dims rotated (neox halves or interleaved pairs)."""
+    return torch.ops.tandem_native.rotary(x, positions, cos, sin, rotary_dim, interleaved)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor,
+                    rows: torch.Tensor, positions: torch.Tensor, block_size: int, scale: float, out: torch.Tensor,
+                    lse: torch.Tensor) -> None:
+    """q: [T, Hq, Dk]; k: [slots, Hkv, Dk]; v: [slots, Hkv, Dv]; block_table: [B, max_blocks] int32;
+    rows: [R, 5] int32 (table row, first token, queries, seq_len, first key position); positions: [T] int64.
+    Writes out [T, Hq, Dv] and lse [T, Hq] (float32) at the rows' query tokens."""
+    torch.ops.tandem_native.paged_attention(q, k, v, block_table, rows, positions, block_size, scale, out, lse)

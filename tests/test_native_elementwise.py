@@ -1,0 +1,91 @@
+"""The native CPU elementwise kernels (tandem/native/elementwise.cpp) against the PyTorch formulas they replace:
+rotary to the bit, RMSNorm and silu(gate) * up to float32 rounding; strided views, partial rotary, both rotary
+layouts, odd widths, bad inputs refused with a clear error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem import native
+from tandem.layers.activation import silu_and_mul
+from tandem.layers.rotary import RotaryEmbedding
+
+pytestmark = pytest.mark.usefixtures("native_kernels")
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rotary_dim, head_dim", [(64, 64), (32, 64), (16, 72)])
+def test_rotary_is_the_pytorch_formula_to_the_bit(interleaved: bool, rotary_dim: int, head_dim: int) -> None:
+    gen = torch.Generator().manual_seed(rotary_dim + head_dim + interleaved)
+    rope = RotaryEmbedding(rotary_dim, 4096, 10000.0, {"rope_type": "yarn", "factor": 4.0,
+                                                         "original_max_position_embeddings": 1024},
+                           interleaved=interleaved)
+    for tokens in (1, 7, 300):
+        positions = torch.randint(0, 4096, (tokens,), generator=gen)
+        qkv = torch.randn(tokens, 7 * head_dim + 5, generator=gen)
+        heads = qkv[:, : 6 * head_dim].view(tokens, 6, head_dim)  # q and k inside a fused projection's output
+        (got,) = rope(positions, heads)
+        cos = rope.cos_cache[positions].unsqueeze(1)
+        sin = rope.sin_cache[positions].unsqueeze(1)
+        assert got.shape == heads.shape
+        assert torch.equal(got, rope._rotate(heads, cos, sin)), (tokens, rotary_dim, head_dim)
+        assert not torch.equal(got, heads)
+
+
+def test_rotary_refuses_positions_outside_its_table() -> None:
+    rope = RotaryEmbedding(64, 128, 10000.0)
+    x = torch.randn(3, 2, 64)
+    for bad in (128, -1, 10**12):
+        with pytest.raises(RuntimeError, match="outside"):
+            native.rotary(x, torch.tensor([0, bad, 1]), rope.cos_cache, rope.sin_cache, 64, False)
+    with pytest.raises(RuntimeError, match="rotary_dim"):
+        native.rotary(x, torch.tensor([0, 1, 2]), rope.cos_cache, rope.sin_cache, 66, False)
+
+
+@pytest.mark.parametrize("inner", [1, 15, 16, 33, 1536])
+def test_silu_and_mul_matches_pytorch_to_float32_rounding(inner: int) -> None:
+    gen = torch.Generator().manual_seed(inner)
+    for rows in (1, 5, 64):
+        gate_up = torch.randn(rows, 2 * inner, generator=gen) * 6
+        gate_up[0, 0] = -200.0  # exp overflow territory: silu -> -0, not nan
+        gate_up[-1, 0] = 200.0
+        got = silu_and_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        want = F.silu(gate) * up
+        assert got.shape == (rows, inner) and torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+    strided = torch.randn(9, 2 * inner + 3, generator=gen)[:, 3:]
+    gate, up = strided.chunk(2, dim=-1)
+    torch.testing.assert_close(silu_and_mul(strided), F.silu(gate) * up, rtol=2e-6, atol=1e-6)
+
+
+def test_norm_of_heads_and_bad_weights() -> None:
+    # qk-norm normalises [T, heads, head_dim] views
+    from tandem.layers.norm import RMSNorm
+
+    gen = torch.Generator().manual_seed(3)
+    norm = RMSNorm(64, eps=1e-5)
+    norm.weight.data.copy_(torch.randn(64, generator=gen))
+    x = torch.randn(11, 5 * 64 + 64, generator=gen)[:, :320].view(11, 5, 64)
+    want = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    got = norm(x)
+    assert got.shape == (11, 5, 64)
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-7)
+    with pytest.raises(RuntimeError, match="weight must be float32"):
+        native.rms_norm(torch.randn(2, 64), torch.ones(32), 1e-6)
+    with pytest.raises(RuntimeError, match="float32 CPU"):
+        native.rms_norm(torch.randn(2, 64).double(), torch.ones(64), 1e-6)
+
+
+def test_the_pytorch_paths_serve_when_the_kernels_are_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(native._state, "ok", False)
+    calls = []
+    monkeypatch.setattr(native, "silu_and_mul", lambda x: calls.append(x))
+    gate_up = torch.randn(4, 8)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(silu_and_mul(gate_up), F.silu(gate) * up) and not calls
+    assert not native.serves(gate_up)
+    monkeypatch.setitem(native._state, "ok", True)
+    assert native.serves(gate_up) and not native.serves(gate_up.bfloat16())

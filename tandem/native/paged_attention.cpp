@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -76,6 +77,76 @@ inline float dot(const float* a, const float* b, int64_t n) {
 inline void axpy(float alpha, const float* x, float* y, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+inline float hsum(f32x16 acc) {
+  const f32x8 h8 = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
+                   __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
+  const f32x4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+  return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+}
+
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// One query against four keys: four independent accumulators (one dot's chain of dependent FMAs leaves the FMA
+// units idle most cycles) and the query's vectors loaded once for all four.
+inline void dot4(const float* q, const float* k0, const float* k1, const float* k2, const float* k3, int64_t n,
+                 float* out) {
+  f32x16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const f32x16 x = load16(q + i);
+    a0 += x * load16(k0 + i);
+    a1 += x * load16(k1 + i);
+    a2 += x * load16(k2 + i);
+    a3 += x * load16(k3 + i);
+  }
+  out[0] = hsum(a0);
+  out[1] = hsum(a1);
+  out[2] = hsum(a2);
+  out[3] = hsum(a3);
+  for (; i < n; ++i) {
+    out[0] += q[i] * k0[i];
+    out[1] += q[i] * k1[i];
+    out[2] += q[i] * k2[i];
+    out[3] += q[i] * k3[i];
+  }
+}
+
+// acc[0:dv] = sum_s p[s] * (base + off[s])[0:dv]: the output held in registers 64 channels at a time while the keys
+// stream past (an axpy per key would store and reload the whole output for every key)
+inline void weighted_rows(const float* p, const float* base, const int64_t* off, int64_t w, int64_t dv,
+                          float* acc) {
+  int64_t d = 0;
+  for (; d + 64 <= dv; d += 64) {
+    f32x16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    for (int64_t s = 0; s < w; ++s) {
+      const float* v = base + off[s] + d;
+      const f32x16 ps = f32x16{} + p[s];
+      a0 += ps * load16(v);
+      a1 += ps * load16(v + 16);
+      a2 += ps * load16(v + 32);
+      a3 += ps * load16(v + 48);
+    }
+    std::memcpy(acc + d, &a0, sizeof(a0));
+    std::memcpy(acc + d + 16, &a1, sizeof(a1));
+    std::memcpy(acc + d + 32, &a2, sizeof(a2));
+    std::memcpy(acc + d + 48, &a3, sizeof(a3));
+  }
+  for (; d + 16 <= dv; d += 16) {
+    f32x16 a0 = {};
+    for (int64_t s = 0; s < w; ++s) a0 += (f32x16{} + p[s]) * load16(base + off[s] + d);
+    std::memcpy(acc + d, &a0, sizeof(a0));
+  }
+  for (; d < dv; ++d) {
+    float a = 0.f;
+    for (int64_t s = 0; s < w; ++s) a += p[s] * base[off[s] + d];
+    acc[d] = a;
+  }
 }
 
 // x[i] <- exp(x[i] - mx) for finite x[i] <= mx; returns their sum. exp as 2^n * 2^f, f in [-1/2, 1/2], 2^f by
@@ -150,7 +221,7 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
     // per thread, reused across calls (sized by the largest call seen), read through plain pointers: a
     // thread_local looked up in the loops would cost a TLS call per access in a shared library
     thread_local std::vector<float> tl_qf, tl_kbuf, tl_scores, tl_m, tl_l, tl_acc;
-    thread_local std::vector<int64_t> tl_width;
+    thread_local std::vector<int64_t> tl_width, tl_koff, tl_voff;
     auto grow = [](auto& vec, int64_t size) {
       if (static_cast<int64_t>(vec.size()) < size) vec.resize(size);
       return vec.data();
@@ -190,19 +261,45 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
           width = std::max(width, w);
         }
       }
+      int64_t* koff = grow(tl_koff, chunk);  // each key's slot as an element offset into k and into v
+      int64_t* voff = grow(tl_voff, chunk);
       for (int64_t s = 0; s < width; ++s) {
         const int64_t p = lo + s;
         const int64_t slot = static_cast<int64_t>(blocks[p / block_size]) * block_size + p % block_size;
-        if (s + kPrefetch < width) {  // the cache rows a few keys ahead: their slots are known, their loads are not
-          const int64_t ahead = p + kPrefetch;
-          const char* next = reinterpret_cast<const char*>(
-              kp + (static_cast<int64_t>(blocks[ahead / block_size]) * block_size + ahead % block_size) * k_slot);
-          for (int64_t b = 0; b < hkv * k_head * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(next + b);
-        }
+        koff[s] = slot * k_slot;
+        voff[s] = slot * v_slot;
+      }
+      if constexpr (std::is_same_v<T, float>) {
+        // float32 caches are read in place: each query scores its keys four at a time
         for (int64_t g = 0; g < hkv; ++g) {
-          const float* key = as_float(kp + slot * k_slot + g * k_head, kbuf, dk);
+          const float* kg = kp + g * k_head;
           for (int64_t j = g * r * n; j < (g + 1) * r * n; ++j) {
-            if (s < width_of[j]) scores[j * chunk + s] = dot(qf + j * dk, key, dk) * fscale;
+            const float* qj = qf + j * dk;
+            float* sj = scores + j * chunk;
+            const int64_t w = width_of[j];
+            int64_t s = 0;
+            for (; s + 4 <= w; s += 4) {
+              dot4(qj, kg + koff[s], kg + koff[s + 1], kg + koff[s + 2], kg + koff[s + 3], dk, sj + s);
+              for (int64_t e = 0; e < 4; ++e) sj[s + e] *= fscale;
+            }
+            for (; s < w; ++s) sj[s] = dot(qj, kg + koff[s], dk) * fscale;
+          }
+        }
+      } else {
+        for (int64_t s = 0; s < width; ++s) {
+          const int64_t p = lo + s;
+          const int64_t slot = static_cast<int64_t>(blocks[p / block_size]) * block_size + p % block_size;
+          if (s + kPrefetch < width) {  // the cache rows a few keys ahead: their slots are known, their loads are not
+            const int64_t ahead = p + kPrefetch;
+            const char* next = reinterpret_cast<const char*>(
+                kp + (static_cast<int64_t>(blocks[ahead / block_size]) * block_size + ahead % block_size) * k_slot);
+            for (int64_t b = 0; b < hkv * k_head * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(next + b);
+          }
+          for (int64_t g = 0; g < hkv; ++g) {
+            const float* key = as_float(kp + slot * k_slot + g * k_head, kbuf, dk);
+            for (int64_t j = g * r * n; j < (g + 1) * r * n; ++j) {
+              if (s < width_of[j]) scores[j * chunk + s] = dot(qf + j * dk, key, dk) * fscale;
+            }
           }
         }
       }
@@ -215,13 +312,21 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
         m[j] = mx;
         l[j] = exp_sum(sj, w, mx);
       }
-      for (int64_t s = 0; s < width; ++s) {
-        const int64_t p = lo + s;
-        const int64_t slot = static_cast<int64_t>(blocks[p / block_size]) * block_size + p % block_size;
+      if constexpr (std::is_same_v<T, float>) {
         for (int64_t g = 0; g < hkv; ++g) {
-          const float* value = as_float(vp + slot * v_slot + g * v_head, kbuf, dv);
           for (int64_t j = g * r * n; j < (g + 1) * r * n; ++j) {
-            if (s < width_of[j]) axpy(scores[j * chunk + s], value, acc + j * dv, dv);
+            weighted_rows(scores + j * chunk, vp + g * v_head, voff, width_of[j], dv, acc + j * dv);
+          }
+        }
+      } else {
+        for (int64_t s = 0; s < width; ++s) {
+          const int64_t p = lo + s;
+          const int64_t slot = static_cast<int64_t>(blocks[p / block_size]) * block_size + p % block_size;
+          for (int64_t g = 0; g < hkv; ++g) {
+            const float* value = as_float(vp + slot * v_slot + g * v_head, kbuf, dv);
+            for (int64_t j = g * r * n; j < (g + 1) * r * n; ++j) {
+              if (s < width_of[j]) axpy(scores[j * chunk + s], value, acc + j * dv, dv);
+            }
           }
         }
       }

@@ -89,3 +89,21 @@ def test_the_pytorch_paths_serve_when_the_kernels_are_off(monkeypatch: pytest.Mo
     assert not native.serves(gate_up)
     monkeypatch.setitem(native._state, "ok", True)
     assert native.serves(gate_up) and not native.serves(gate_up.bfloat16())
+
+
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 2048, 49152])
+def test_argmax_is_torch_argmax_ties_nans_and_infinities_included(vocab: int) -> None:
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(40, vocab, generator=gen)
+    logits[1] = 0.5  # every entry tied: the first index
+    logits[2] = float("-inf")
+    if vocab > 3:
+        logits[3, vocab // 2] = logits[3, vocab - 1] = 1e6  # a tie between two maxima: the first
+        logits[4, vocab // 3] = float("nan")  # NaN wins, the first one
+        logits[4, vocab - 1] = float("nan")
+        logits[5, vocab - 1] = float("inf")
+        logits[6] = torch.randint(0, 3, (vocab,), generator=gen).float()  # many ties
+    for x in (logits, torch.randn(7, vocab + 9, generator=gen)[:, 9:]):  # rows strided
+        assert torch.equal(native.argmax(x), x.argmax(dim=-1)), vocab
+        assert torch.equal(native.greedy_tokens(x), x.argmax(dim=-1))
+    assert native.argmax(logits[:0]).shape == (0,)

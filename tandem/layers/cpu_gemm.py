@@ -29,7 +29,10 @@ from torch import nn
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 DECODE_ROWS_HINT = 32  # the rows oneDNN blocks a packed weight for; any row count runs on it
-PACK_MIN_ELEMENTS = 1 << 19  # 2 MiB of float32: below it F.linear wins at decode row counts
+# 1 MiB of float32: below it F.linear wins at decode row counts. SmolLM2's o_proj [576, 576] is over it: packed,
+# 32 rows 146 -> 122 us, 2,048 rows 8.5 -> 6.9 ms (AMD EPYC avx512), and 1.04x end to end in an alternating A/B
+# (32 x 32, 2026-12-03); the bundled model's weights all stay under it
+PACK_MIN_ELEMENTS = 1 << 18
 ANY_ROWS_ELEMENTS = 3 << 19  # from here the packed weight wins at one row too
 # bfloat16 on a CPU with bf16 dot products: the packed GEMM won at every shape and row count measured, one row
 # included (AMD EPYC, avx512_bf16: [576, 576] at 1 / 32 rows 83 -> 44 / 121 -> 106 us, [128, 256] 29 -> 24 us)

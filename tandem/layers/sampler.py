@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem import native
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -84,7 +86,7 @@ def processed_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
 
 def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """[S, V] float32 logits -> [S] int64 token ids."""
-    greedy = logits.argmax(dim=-1)
+    greedy = native.greedy_tokens(logits)
     if meta.all_greedy:
         return greedy
     probs = processed_probs(logits, meta).double()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from tandem import native
 from tandem.layers.sampler import SamplingMetadata, keyed_uniform, processed_probs
 from tandem.spec_decode.rejection_sampler import DRAFT_STREAM
 
@@ -20,7 +21,7 @@ def sample_draft(logits: torch.Tensor, meta: SamplingMetadata | None, positions:
     Greedy drafts take the argmax; probabilistic ones sample the request's processed distribution with keyed
     noise of their own stream (DRAFT_STREAM) and keep it as q for verification (same rule as MTPProposer)."""
     if not probabilistic or meta is None:
-        return logits.argmax(dim=-1), None
+        return native.greedy_tokens(logits), None
     probs = processed_probs(logits, meta)  # [S, V]
     greedy = meta.temperature == 0
     probs = torch.where(greedy[:, None], torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float(),

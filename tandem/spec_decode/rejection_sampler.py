@@ -14,6 +14,7 @@ import dataclasses
 
 import torch
 
+from tandem import native
 from tandem.layers.sampler import SamplingMetadata, keyed_uniform, processed_probs
 
 ACCEPT_STREAM = 1  # keyed_uniform stream of the acceptance uniforms; token sampling is stream 0
@@ -44,7 +45,7 @@ def rejection_sample(
     req_of_draft = torch.arange(num_reqs, device=device).repeat_interleave(num_draft, output_size=num_drafts)  # [D]
     draft_rows = torch.arange(num_drafts, device=device) + req_of_draft  # [D] target row of each draft
 
-    target_argmax = target_logits.argmax(dim=-1)  # [T]
+    target_argmax = native.greedy_tokens(target_logits)  # [T]
     accepted = draft_token_ids == target_argmax[draft_rows]  # [D], the greedy rule
     probs = None
     if not meta.all_greedy:

@@ -129,7 +129,8 @@ def test_bf16_gqa_head_major_matmuls_are_as_close_as_sdpa(queries: int) -> None:
 def test_bf16_packs_small_weights_only_with_bf16_dot_products() -> None:
     from tandem.layers import cpu_gemm
 
-    w = (torch.randn(576, 576) / 24).bfloat16()  # under PACK_MIN_ELEMENTS: float32's rule leaves it unpacked
+    w = (torch.randn(384, 576) / 24).bfloat16()  # under PACK_MIN_ELEMENTS: float32's rule leaves it unpacked
+    assert w.numel() < cpu_gemm.PACK_MIN_ELEMENTS
     packed = cpu_gemm.prepack(w)
     native = cpu_gemm._CPU_HAS_BF16_DOT and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     assert (packed is not None) == native, "a small bf16 weight packs exactly where the CPU has bf16 dot products"
@@ -137,6 +138,7 @@ def test_bf16_packs_small_weights_only_with_bf16_dot_products() -> None:
     for rows in (1, 3, 32):
         x = torch.randn(rows, 576).bfloat16()
         got = cpu_gemm.linear(x, w, None, packed)
+        assert got.shape == (rows, 384)
         torch.testing.assert_close(got.float(), F.linear(x.float(), w.float()), rtol=2e-2, atol=2e-2)
 
 

@@ -107,3 +107,23 @@ def test_argmax_is_torch_argmax_ties_nans_and_infinities_included(vocab: int) ->
         assert torch.equal(native.argmax(x), x.argmax(dim=-1)), vocab
         assert torch.equal(native.greedy_tokens(x), x.argmax(dim=-1))
     assert native.argmax(logits[:0]).shape == (0,)
+
+
+def test_tensors_that_carry_gradients_take_the_pytorch_formulas() -> None:
+    # the kernels have no backward: training (tandem/train) must differentiate through the PyTorch ops
+    from tandem.layers.norm import RMSNorm
+
+    norm = RMSNorm(32)
+    x = torch.randn(4, 32, requires_grad=True)
+    norm(x).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    norm.weight.requires_grad_(True)
+    y = torch.randn(4, 32)
+    assert not native.serves(y, norm.weight) and native.serves(y)
+    norm(y).sum().backward()
+    assert norm.weight.grad is not None and norm.weight.grad.abs().sum() > 0
+    gate_up = torch.randn(3, 16, requires_grad=True)
+    silu_and_mul(gate_up).sum().backward()
+    assert gate_up.grad is not None and gate_up.grad.abs().sum() > 0
+    with torch.no_grad():
+        assert native.serves(gate_up)

@@ -18,7 +18,7 @@ class RMSNorm(nn.Module):
         self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if native.serves(x) and self.weight.dtype == torch.float32:
+        if native.serves(x, self.weight) and self.weight.dtype == torch.float32:
             return native.rms_norm(x, self.weight, self.eps)  # one pass instead of six ops (tandem/native)
         # torch's fused kernel computes HF's x * rsqrt(mean(x^2) + eps) in float32 (the same bits, one op
         # instead of five); the weight multiplies after the cast back, as HF does

@@ -89,11 +89,15 @@ def _built() -> bool:
     return all(hasattr(torch.ops.tandem_native, op) for op in _OPS)
 
 
-def serves(x: torch.Tensor) -> bool:
+def serves(x: torch.Tensor, *params: torch.Tensor) -> bool:
     """True when the elementwise kernels should compute on x: a float32 CPU tensor of an eager float32 model whose
-    kernels are loaded (inductor fuses these ops itself in compiled pieces)."""
-    return (x.dtype == torch.float32 and x.device.type == "cpu" and not torch.compiler.is_compiling()
-            and enabled())
+    kernels are loaded (inductor fuses these ops itself in compiled pieces), with no gradient to carry (the kernels
+    have no backward: training, tandem/train, runs the PyTorch formulas)."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or torch.compiler.is_compiling():
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
+        return False
+    return enabled()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

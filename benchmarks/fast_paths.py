@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
-from tandem import LLM, SamplingParams
+from tandem import LLM, SamplingParams, native
 from tandem.assets import DEFAULT_MODEL
-from tandem.attention import metadata, native
+from tandem.attention import metadata
 from tandem.attention.backends import prefix
 from tandem.bench.prompts import bench_prompts
 from tandem.layers import cpu_gemm, moe
@@ -59,7 +59,7 @@ def switch(path: str, on: bool, saved: dict[str, Any]) -> None:
     elif path == "native-kernels":
         native.set_enabled(on)
     elif path == "native-elementwise":  # the layers ask native.serves before each elementwise kernel
-        native.serves = saved["serves"] if on else (lambda x: False)  # type: ignore[assignment]
+        native.serves = saved["serves"] if on else (lambda *args: False)  # type: ignore[assignment]
     else:  # bf16-pack: off unpacks what float32's rule would not have packed
         cpu_gemm._CPU_HAS_BF16_DOT = saved["bf16_dot"] if on else False
         for module, packed in saved["packed"]:

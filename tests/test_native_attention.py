@@ -141,3 +141,43 @@ def test_engine_tokens_equal_the_pytorch_path(tiny_checkpoints, monkeypatch, arc
         llm.shutdown()
     assert tokens[True] == tokens[False]
     assert accepted[True] == accepted[False], "the drafts (MTP's draft decodes read their keys natively) agree"
+
+
+@pytest.mark.parametrize("arch", ["llama", "glm4_moe", "deepseek_v3"])
+def test_prompt_rows_through_the_kernel_give_the_same_tokens(tiny_checkpoints, monkeypatch, arch):
+    """Prompt rows of 17..NATIVE_PROMPT_TOKENS queries run whole through the kernel in a GQA model (MLA keeps its
+    long-row path); longer ones keep per-row SDPA. Same greedy tokens as the PyTorch path, one budget taking every
+    prompt at once."""
+    from tandem.attention import metadata
+
+    path = str(tiny_checkpoints(arch))
+    prompts = random_prompts([5, 20, 64, metadata.NATIVE_PROMPT_TOKENS, metadata.NATIVE_PROMPT_TOKENS + 1, 300],
+                             vocab_size=500, seed=29)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    built = []
+    real = metadata.build_attention_metadata
+
+    def spy(*args, **kwargs):
+        meta = real(*args, **kwargs)
+        built.append(meta)
+        return meta
+
+    tokens = {}
+    for on in (True, False):
+        monkeypatch.setitem(native._state, "ok", on)
+        monkeypatch.setattr(metadata, "build_attention_metadata", spy)
+        import tandem.worker.input_batch as input_batch
+        monkeypatch.setattr(input_batch, "build_attention_metadata", spy, raising=False)
+        built.clear()
+        llm = LLM(path, dtype="float32", max_num_batched_tokens=1024)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        tokens[on] = [o.outputs[0].token_ids for o in outs]
+        llm.shutdown()
+        picked = [int(n) for m in built if m.native_long_rows is not None for n in m.native_long_rows[:, 2]]
+        if on:
+            assert sorted(picked) == [20, 64, metadata.NATIVE_PROMPT_TOKENS], picked
+            assert all(lr.native == (lr.num_queries <= metadata.NATIVE_PROMPT_TOKENS)
+                       for m in built for lr in m.long_rows)
+        else:
+            assert not picked
+    assert tokens[True] == tokens[False]

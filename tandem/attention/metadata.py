@@ -19,6 +19,10 @@ from tandem import native
 
 PAD_SLOT_ID = -1  # slot_mapping value meaning "write nothing"
 SHORT_ROW_TOKENS = 16  # rows up to this many query tokens share one padded attention call (or read in place)
+# prompt rows up to this many queries that a GQA backend may run through the native CPU kernel instead of per-row
+# SDPA over gathered keys (SmolLM2, 32 prompts of 31-115 tokens: 960 SDPA calls a prefill, ~0.3 s of 2.7 s); MLA keeps
+# its expanded long-row path (absorbing a prompt row's every query costs more there)
+NATIVE_PROMPT_TOKENS = 128
 # Short rows are padded into one gathered group (one batched matmul for all of them) while that group stays small;
 # a row that sees at least IN_PLACE_MIN_KEYS keys, and the longest rows while the group would pad to more than
 # GATHER_MAX_KEYS keys, read their keys in place instead (views of contiguous slot runs, a few small matmuls per
@@ -83,6 +87,7 @@ class LongRow:
     pieces: tuple[LongPiece, ...]
     kv_slots: torch.Tensor  # [max seq_len] int64
     shares_prefix: bool = False  # its keys start with AttentionMetadata.long_prefix's (it is one of its rows)
+    native: bool = False  # also in AttentionMetadata.native_long_rows: a GQA backend on the CPU runs it there
 
     @property
     def seq_len(self) -> int:
@@ -146,6 +151,9 @@ class AttentionMetadata:
     # block_table: int32 [R, 5] = (block-table row, first query token, queries, seq_len, first key position), or
     # None: `groups` / `row_keys` serve them
     native_rows: torch.Tensor | None = None
+    # the long rows marked `native` (one piece of at most NATIVE_PROMPT_TOKENS queries, no shared long prefix) in
+    # the same [R, 5] form, or None
+    native_long_rows: torch.Tensor | None = None
 
 
 def build_attention_metadata(positions: torch.Tensor, query_start_loc_cpu: torch.Tensor,
@@ -187,11 +195,29 @@ def build_attention_metadata(positions: torch.Tensor, query_start_loc_cpu: torch
                                                positions, subset=True, name_tokens=False)
     long_rows = _long_rows(long_ids, query_start_loc_cpu, q_lens, seq_lens, block_table, table_np, block_size,
                            positions.device, long_members)
+    native_long_rows = None
+    if table_np is not None and key_bound is None and long_rows and native.enabled():
+        long_rows, native_long_rows = _native_long_rows(long_rows, long_ids, query_start_loc_cpu)
     return AttentionMetadata(
         positions=positions, query_start_loc_cpu=query_start_loc_cpu, seq_lens_cpu=seq_lens_cpu,
         block_table=block_table, block_size=block_size, groups=groups, write_rows=write_rows,
         write_slots=write_slots, long_rows=long_rows, row_keys=row_keys, shared_prefix=shared,
-        long_prefix=long_prefix, native_rows=native_rows)
+        long_prefix=long_prefix, native_rows=native_rows, native_long_rows=native_long_rows)
+
+
+def _native_long_rows(long_rows: list[LongRow], long_ids: list[int],
+                      qsl: torch.Tensor) -> tuple[list[LongRow], torch.Tensor | None]:
+    """Mark the long rows the native kernel can take whole (one piece, at most NATIVE_PROMPT_TOKENS queries, keys
+    not behind a shared long prefix) -> (the rows, marked; their [R, 5] kernel rows, or None)."""
+    row_of = {int(qsl[i]): i for i in long_ids}
+    picked, marked = [], []
+    for lr in long_rows:
+        (p, *more) = lr.pieces
+        if not more and not lr.shares_prefix and p.num_queries <= NATIVE_PROMPT_TOKENS:
+            picked.append([row_of[p.token_start], p.token_start, p.num_queries, p.seq_len, 0])
+            lr = dataclasses.replace(lr, native=True)
+        marked.append(lr)
+    return marked, torch.tensor(picked, dtype=torch.int32) if picked else None
 
 
 def _shared_prefix(rows: list[int], q_lens: list[int], seq_lens: list[int], qsl: torch.Tensor,

@@ -78,7 +78,13 @@ def prefix_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor
             out = _merge_shared_prefix(q, out, lse, k_flat, v_flat, shared, scale, dv)
         else:
             out[short] = _merge_shared_prefix(q[short], out[short], lse[short], k_flat, v_flat, shared, scale, dv)
+    native_long = long_rows and meta.native_long_rows is not None
+    if native_long:  # prompt rows of a GQA model whole through the native kernel, written into `out` in place
+        assert meta.native_long_rows is not None
+        out = _native_rows_into(q, k_flat, v_flat, meta, meta.native_long_rows, scale, dv, out)
     for lr in meta.long_rows if long_rows else ():
+        if native_long and lr.native:
+            continue
         kg = gather_rows(k_flat, lr.kv_slots).to(q.dtype).transpose(0, 1)  # [Hkv, S, Dk], once for all pieces
         vg = kg[..., :dv] if v_flat is None else gather_rows(v_flat, lr.kv_slots).to(q.dtype).transpose(0, 1)
         for p in lr.pieces:
@@ -102,6 +108,25 @@ def native_short_rows(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tenso
     native.paged_attention(qc, k_flat, values, meta.block_table, rows, positions.contiguous(), meta.block_size,
                            scale, out, lse)
     return out.to(q.dtype), None if meta.shared_prefix is None else lse
+
+
+def _native_rows_into(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor | None, meta: AttentionMetadata,
+                      rows: torch.Tensor, scale: float, dv: int, out: torch.Tensor) -> torch.Tensor:
+    """The kernel's rows written into out [T, Hq, Dv] at their tokens (the other tokens keep their values)."""
+    if out.dtype != k_flat.dtype or out.stride(-1) != 1:
+        o_rows, _ = native_short_rows(q, k_flat, v_flat, meta, rows, scale, dv)
+        tokens = torch.cat([torch.arange(int(t0), int(t0) + int(n)) for t0, n in rows[:, 1:3].tolist()])
+        out[tokens] = o_rows[tokens]
+        return out
+    values = k_flat[..., :dv] if v_flat is None else v_flat
+    qc = q if q.dtype == k_flat.dtype else q.to(k_flat.dtype)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32)  # [T, Hq], written at the rows' tokens, unused
+    positions = meta.positions if meta.positions.dtype == torch.int64 else meta.positions.long()
+    if positions.shape[0] < q.shape[0]:  # graph padding after the rows: in no row
+        positions = torch.cat((positions, positions.new_zeros(q.shape[0] - positions.shape[0])))
+    native.paged_attention(qc, k_flat, values, meta.block_table, rows, positions.contiguous(), meta.block_size,
+                           scale, out, lse)
+    return out
 
 
 def _merge_shared_prefix(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, k_flat: torch.Tensor,

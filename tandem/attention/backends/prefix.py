@@ -81,7 +81,13 @@ def prefix_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor
     native_long = long_rows and meta.native_long_rows is not None
     if native_long:  # prompt rows of a GQA model whole through the native kernel, written into `out` in place
         assert meta.native_long_rows is not None
-        out = _native_rows_into(q, k_flat, v_flat, meta, meta.native_long_rows, scale, dv, out)
+        if out.dtype == k_flat.dtype and out.stride(-1) == 1:
+            _native_rows_into(q, k_flat, v_flat, meta, meta.native_long_rows, scale, dv, out)
+        else:  # the kernel writes the cache's dtype: through a buffer of it
+            o_long = _native_rows_into(q, k_flat, v_flat, meta, meta.native_long_rows, scale, dv,
+                                       q.new_zeros(*out.shape, dtype=k_flat.dtype))
+            long_tokens = torch.cat([torch.arange(t0, t0 + n) for t0, n in meta.native_long_rows[:, 1:3].tolist()])
+            out[long_tokens] = o_long[long_tokens].to(out.dtype)
     for lr in meta.long_rows if long_rows else ():
         if native_long and lr.native:
             continue
@@ -98,31 +104,23 @@ def native_short_rows(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tenso
                       rows: torch.Tensor, scale: float, dv: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The short rows through the native kernel -> (out [T, Hq, Dv], zero at other tokens; lse [T, Hq] float32
     when a shared prefix is to be merged, else None). The kernel computes in the cache's dtype."""
-    values = k_flat[..., :dv] if v_flat is None else v_flat
-    qc = q if q.dtype == k_flat.dtype else q.to(k_flat.dtype)
-    out = qc.new_zeros(q.shape[0], q.shape[1], dv)
+    out = q.new_zeros(q.shape[0], q.shape[1], dv, dtype=k_flat.dtype)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32)  # [T, Hq]
-    positions = meta.positions if meta.positions.dtype == torch.int64 else meta.positions.long()
-    if positions.shape[0] < q.shape[0]:  # graph padding after the rows (MTP's padded draft decodes): in no row
-        positions = torch.cat((positions, positions.new_zeros(q.shape[0] - positions.shape[0])))
-    native.paged_attention(qc, k_flat, values, meta.block_table, rows, positions.contiguous(), meta.block_size,
-                           scale, out, lse)
+    _native_rows_into(q, k_flat, v_flat, meta, rows, scale, dv, out, lse)
     return out.to(q.dtype), None if meta.shared_prefix is None else lse
 
 
 def _native_rows_into(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor | None, meta: AttentionMetadata,
-                      rows: torch.Tensor, scale: float, dv: int, out: torch.Tensor) -> torch.Tensor:
-    """The kernel's rows written into out [T, Hq, Dv] at their tokens (the other tokens keep their values)."""
-    if out.dtype != k_flat.dtype or out.stride(-1) != 1:
-        o_rows, _ = native_short_rows(q, k_flat, v_flat, meta, rows, scale, dv)
-        tokens = torch.cat([torch.arange(int(t0), int(t0) + int(n)) for t0, n in rows[:, 1:3].tolist()])
-        out[tokens] = o_rows[tokens]
-        return out
+                      rows: torch.Tensor, scale: float, dv: int, out: torch.Tensor,
+                      lse: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel's rows written into out [T, Hq, Dv] (the cache's dtype) and lse [T, Hq] at their tokens; the other
+    tokens keep their values. -> out"""
     values = k_flat[..., :dv] if v_flat is None else v_flat
     qc = q if q.dtype == k_flat.dtype else q.to(k_flat.dtype)
-    lse = torch.empty(q.shape[:2], dtype=torch.float32)  # [T, Hq], written at the rows' tokens, unused
+    if lse is None:
+        lse = torch.empty(q.shape[:2], dtype=torch.float32)  # written at the rows' tokens, unused
     positions = meta.positions if meta.positions.dtype == torch.int64 else meta.positions.long()
-    if positions.shape[0] < q.shape[0]:  # graph padding after the rows: in no row
+    if positions.shape[0] < q.shape[0]:  # graph padding after the rows (MTP's padded draft decodes): in no row
         positions = torch.cat((positions, positions.new_zeros(q.shape[0] - positions.shape[0])))
     native.paged_attention(qc, k_flat, values, meta.block_table, rows, positions.contiguous(), meta.block_size,
                            scale, out, lse)

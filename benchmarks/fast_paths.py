@@ -3,7 +3,7 @@ alternating rounds (ABBA...), so the shared machine's drift hits both sides alik
 each side and whether the tokens are identical.
 
     python benchmarks/fast_paths.py --path cascade|dense-moe|bf16-small-mm|gqa-head-major|bf16-pack|native-kernels|
-        native-elementwise
+        native-elementwise|small-gemm
         [--model PATH] [--dtype float32] [--spec JSON] [--batch 32] [--reps 4] [--max-tokens 96] [--fresh]
         [--zero-shot] [--threads 1]
 
@@ -16,6 +16,8 @@ where the CPU has bf16 dot products; off is float32's rule (PACK_MIN_ELEMENTS, F
 `native-kernels`: every native CPU kernel (tandem/native, float32 models): short rows' paged attention, RMSNorm,
 silu(gate) * up, rotary; off is the PyTorch paths (padded gathers + SDPA, in-place views; the ops' formulas).
 `native-elementwise`: only the elementwise kernels (RMSNorm, silu(gate) * up, rotary), attention native both ways.
+`small-gemm`: linears of up to cpu_gemm.SMALL_ROWS rows (4 on packed weights) through the native small-row GEMM;
+off is F.linear / the packed oneDNN weight.
 `--zero-shot`: the bare GSM8K questions of `tandem bench offline` instead (no shared prefix, so no cascade).
 Prompts: 5-shot GSM8K test questions (benchmarks/spec_decode.py's), so the rows share the cached 5-shot prefix;
 greedy, `ignore_eos`, one torch thread. By default every round reruns the same prompts (after the warm-up the whole
@@ -60,6 +62,8 @@ def switch(path: str, on: bool, saved: dict[str, Any]) -> None:
         native.set_enabled(on)
     elif path == "native-elementwise":  # the layers ask native.serves before each elementwise kernel
         native.serves = saved["serves"] if on else (lambda *args: False)  # type: ignore[assignment]
+    elif path == "small-gemm":
+        cpu_gemm.SMALL_ROWS, cpu_gemm.SMALL_ROWS_PACKED = saved["small_rows"] if on else (0, 0)
     else:  # bf16-pack: off unpacks what float32's rule would not have packed
         cpu_gemm._CPU_HAS_BF16_DOT = saved["bf16_dot"] if on else False
         for module, packed in saved["packed"]:
@@ -70,7 +74,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--path", required=True,
                    choices=["cascade", "dense-moe", "bf16-small-mm", "gqa-head-major", "bf16-pack",
-                                         "native-kernels", "native-elementwise"])
+                                         "native-kernels", "native-elementwise", "small-gemm"])
     p.add_argument("--model", default=str(DEFAULT_MODEL))
     p.add_argument("--spec", default=None, help="speculative_config as JSON")
     p.add_argument("--batch", type=int, default=32)
@@ -86,6 +90,7 @@ def main() -> None:
     model = llm.engine.executor.runner.model
     saved = {"cascade": metadata.CASCADE_MIN_KEYS, "dense": moe.FusedMoE._dense_pays,
              "head_major": prefix.HEAD_MAJOR_DTYPES, "serves": native.serves,
+             "small_rows": (cpu_gemm.SMALL_ROWS, cpu_gemm.SMALL_ROWS_PACKED),
              "bf16_dot": cpu_gemm._CPU_HAS_BF16_DOT, "small_mm": prefix.small_matmul,
              "packed": [(m, m.packed_weight) for m in model.modules() if hasattr(m, "packed_weight")]}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem import native
+
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 DECODE_ROWS_HINT = 32  # the rows oneDNN blocks a packed weight for; any row count runs on it
 # 1 MiB of float32: below it F.linear wins at decode row counts. SmolLM2's o_proj [576, 576] is over it: packed,
@@ -38,11 +40,23 @@ ANY_ROWS_ELEMENTS = 3 << 19  # from here the packed weight wins at one row too
 # included (AMD EPYC, avx512_bf16: [576, 576] at 1 / 32 rows 83 -> 44 / 121 -> 106 us, [128, 256] 29 -> 24 us)
 BF16_PACK_MIN_ELEMENTS = 1 << 15
 _CPU_HAS_BF16_DOT = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+# A few rows of an eager float32 model go to the native small-row GEMM (tandem/native/small_gemm.cpp), which streams
+# the weight once for all rows; MKL's sgemm costs twice its gemv from two rows on. Measured (AMD EPYC avx512, 2
+# threads, us, F.linear or the packed weight / native): [576, 256] 19/8 at 1 row, 46/18 at 4, 76/59 at 16; [2048,
+# 256] 59/40, 138/69, 315/230; packed [960, 576] 60/21, 73/45, 154/144 and [3072, 576] 101/73, 141/125 but 212/238
+# at 8 rows; the [49152, 576] LM head 6.1/6.3 ms at one row, 5.9/8.1 at 4 (DRAM-bound: oneDNN's packed stream wins)
+SMALL_ROWS = 16  # rows of x up to which an unpacked weight goes native
+SMALL_ROWS_PACKED = 4  # ... and a packed one
+SMALL_MAX_ELEMENTS = 1 << 22  # weights past 16 MiB of float32 (LM heads) stay on oneDNN / MKL
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None) -> torch.Tensor:
     """x: [..., K]; weight: [N, K] -> [..., N]. `packed`: the weight in oneDNN's layout (prepack), or None."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if rows <= (SMALL_ROWS if packed is None else SMALL_ROWS_PACKED) and weight.numel() <= SMALL_MAX_ELEMENTS \
+            and weight.is_contiguous() and native.serves(x, weight):
+        return native.small_linear(x.reshape(rows, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
     if packed is None or torch.compiler.is_compiling():  # the compiler packs (freezing) what it compiles
         return F.linear(x, weight, bias)
     if x.numel() == x.shape[-1] and weight.numel() < ANY_ROWS_ELEMENTS and not _native_bf16(weight.dtype):  # a gemv

@@ -7,6 +7,8 @@
 - elementwise.cpp: RMSNorm, silu(gate) * up and rotary embedding, one pass and one dispatch each instead of 3-10
   PyTorch ops (every one a ~5-15 us dispatch at decode sizes and a pass over memory at prompt sizes); and the
   greedy argmax over logits rows (torch's CPU argmax is a scalar loop: ~1.2 ms a step at [32, 49152]).
+- small_gemm.cpp: y = x W^T for up to 16 rows of x (decode, verification and draft passes at small batch), the
+  weight streamed once for every row; MKL's sgemm costs twice its gemv from two rows on.
 
 vLLM's CPU backend has its own C++ ops for the same reasons. The extension is compiled with torch's C++ extension
 builder (the C++ compiler and ninja that inductor's CPU code generation needs too), cached under torch's extensions
@@ -25,8 +27,8 @@ import torch
 
 log = logging.getLogger("tandem")
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "elementwise.cpp")]
-_OPS = ("paged_attention", "rms_norm", "silu_and_mul", "rotary", "argmax_rows")
+_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "elementwise.cpp", "small_gemm.cpp")]
+_OPS = ("paged_attention", "rms_norm", "silu_and_mul", "rotary", "argmax_rows", "small_linear")
 ISA_FLAGS = {"AVX2": ["-mavx2", "-mfma", "-mf16c"],
              "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"]}
 _lock = threading.Lock()
@@ -124,6 +126,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tab
     rows: [R, 5] int32 (table row, first token, queries, seq_len, first key position); positions: [T] int64.
     Writes out [T, Hq, Dv] and lse [T, Hq] (float32) at the rows' query tokens."""
     torch.ops.tandem_native.paged_attention(q, k, v, block_table, rows, positions, block_size, scale, out, lse)
+
+
+def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x: [M, K] float32 (K contiguous), M <= 16; weight: [N, K] contiguous; bias: [N] or None -> a new [M, N],
+    each output one dot product summed in a fixed order whatever M (small_gemm.cpp)."""
+    return torch.ops.tandem_native.small_linear(x, weight, bias)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

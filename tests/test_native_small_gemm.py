@@ -1,0 +1,98 @@
+"""The native small-row GEMM (tandem/native/small_gemm.cpp) and its routing in cpu_gemm.linear: float32 results to
+rounding against a float64 reference, odd shapes (weight rows not a multiple of 4, K not a multiple of 16), strided
+rows, bias, a row's result independent of the batch it runs in, bad inputs refused, and the layers' rule (few rows
+native, more rows and compiled / bf16 / autograd callers on the PyTorch path)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem import native
+from tandem.layers import cpu_gemm
+
+pytestmark = pytest.mark.usefixtures("native_kernels")
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    y = x.double() @ w.double().t()
+    return (y if b is None else y + b.double()).float()
+
+
+@pytest.mark.parametrize("n, k", [(1, 1), (3, 15), (4, 16), (7, 33), (61, 256), (576, 256), (130, 1000)])
+def test_small_linear_matches_a_float64_reference(n: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen)
+    for rows in (1, 2, 3, 4, 5, 8, 13, 16):
+        x = torch.randn(rows, k, generator=gen)
+        for bias in (None, b):
+            got = native.small_linear(x, w, bias)
+            assert got.shape == (rows, n) and got.is_contiguous()
+            torch.testing.assert_close(got, _reference(x, w, bias), rtol=1e-5, atol=1e-5 * k**0.5)
+
+
+def test_a_rows_result_does_not_depend_on_its_batch() -> None:
+    """Each output is one dot product in a fixed order: row i alone, or among 1..16 rows, or over a strided view,
+    gives the same bits (speculative verification runs K + 1 rows where a decode runs one)."""
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(333, 200, generator=gen)
+    x = torch.randn(16, 200, generator=gen)
+    alone = torch.cat([native.small_linear(x[i:i + 1], w, None) for i in range(16)])
+    for rows in (2, 3, 4, 7, 16):
+        assert torch.equal(native.small_linear(x[:rows], w, None), alone[:rows])
+    wide = torch.randn(16, 260, generator=gen)
+    wide[:, 30:230] = x
+    assert torch.equal(native.small_linear(wide[:, 30:230], w, None), alone)
+
+
+def test_small_linear_refuses_bad_inputs() -> None:
+    w = torch.randn(8, 32)
+    with pytest.raises(RuntimeError, match="at most 16 rows"):
+        native.small_linear(torch.randn(17, 32), w, None)
+    with pytest.raises(RuntimeError, match="share K"):
+        native.small_linear(torch.randn(2, 31), w, None)
+    with pytest.raises(RuntimeError, match="float32"):
+        native.small_linear(torch.randn(2, 32, dtype=torch.float64), w.double(), None)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        native.small_linear(torch.randn(2, 32), torch.randn(32, 8).t(), None)
+    with pytest.raises(RuntimeError, match="bias"):
+        native.small_linear(torch.randn(2, 32), w, torch.randn(7))
+    assert native.small_linear(torch.randn(0, 32), w, None).shape == (0, 8)
+
+
+def test_cpu_gemm_routes_few_rows_native_and_the_rest_to_pytorch(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[int, ...]] = []
+    real = native.small_linear
+
+    def spy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        calls.append(tuple(x.shape))
+        return real(x, w, b)
+
+    monkeypatch.setattr(native, "small_linear", spy)
+    gen = torch.Generator().manual_seed(3)
+    w, b = torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen)
+    for shape in ((1, 64), (2, 3, 64), (16, 64), (17, 64), (40, 64)):
+        x = torch.randn(*shape, generator=gen)
+        calls.clear()
+        got = cpu_gemm.linear(x, w, b, None)
+        assert got.shape == (*shape[:-1], 96)
+        torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+        rows = x.numel() // 64
+        assert calls == ([(rows, 64)] if rows <= cpu_gemm.SMALL_ROWS else []), shape
+    w_big = torch.randn(1024, 256, generator=gen)
+    packed = cpu_gemm.prepack(w_big)  # oneDNN's layout (where oneDNN runs here): only a few rows go native
+    if packed is not None:
+        for rows in (cpu_gemm.SMALL_ROWS_PACKED, cpu_gemm.SMALL_ROWS_PACKED + 1):
+            calls.clear()
+            x = torch.randn(rows, 256, generator=gen)
+            torch.testing.assert_close(cpu_gemm.linear(x, w_big, None, packed), F.linear(x, w_big),
+                                       rtol=1e-4, atol=1e-4)
+            assert len(calls) == (rows <= cpu_gemm.SMALL_ROWS_PACKED)
+    # callers the kernel does not serve: bf16, autograd, a non-contiguous weight
+    calls.clear()
+    cpu_gemm.linear(torch.randn(2, 64).bfloat16(), w.bfloat16(), None, None)
+    cpu_gemm.linear(torch.randn(2, 64, requires_grad=True), w, None, None)
+    cpu_gemm.linear(torch.randn(2, 96), w.t(), None, None)
+    assert calls == []

@@ -42,8 +42,8 @@ BF16_PACK_MIN_ELEMENTS = 1 << 15
 _CPU_HAS_BF16_DOT = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 # A few rows of an eager float32 model go to the native small-row GEMM (tandem/native/small_gemm.cpp), which streams
 # the weight once for all rows; MKL's sgemm costs twice its gemv from two rows on. Measured (AMD EPYC avx512, 2
-# threads, us, F.linear or the packed weight / native): [576, 256] 19/8 at 1 row, 46/18 at 4, 76/59 at 16; [2048,
-# 256] 59/40, 138/69, 315/230; packed [960, 576] 60/21, 73/45, 154/144 and [3072, 576] 101/73, 141/125 but 212/238
+# threads, us, F.linear or the packed weight / native): [576, 256] 24/11 at 1 row, 46/18 at 4, 63/53 at 16; [2048,
+# 256] 60/24, 121/52, 172/151; packed [960, 576] 60/21, 73/45, 154/144 and [3072, 576] 101/73, 141/125 but 212/238
 # at 8 rows; the [49152, 576] LM head 6.1/6.3 ms at one row, 5.9/8.1 at 4 (DRAM-bound: oneDNN's packed stream wins)
 SMALL_ROWS = 16  # rows of x up to which an unpacked weight goes native
 SMALL_ROWS_PACKED = 4  # ... and a packed one

@@ -25,7 +25,7 @@ typedef float f32x4 __attribute__((vector_size(16)));
 
 constexpr int64_t kMaxRows = 16;            // rows of x the kernel takes (the caller checks SMALL_GEMM_ROWS)
 constexpr int64_t kWeightRows = 4;          // weight rows a pass streams together
-constexpr int64_t kGrainElements = 1 << 16;  // weight elements a thread takes at least: small weights stay on one
+constexpr int64_t kGrainElements = 1 << 16;  // multiply-adds / 4 a thread takes at least: small GEMMs stay on one
 
 inline f32x16 load16(const float* p) {
   f32x16 v;
@@ -88,7 +88,9 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t blocks = (n + kWeightRows - 1) / kWeightRows;
-  const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, kWeightRows * k));
+  // work of a block: its weight rows times the passes over them (one per 4 rows of x)
+  const int64_t block_work = kWeightRows * k * ((rows + 3) / 4);
+  const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, block_work));
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     float tile[kMaxRows * kWeightRows];
     for (int64_t b = begin; b < end; ++b) {

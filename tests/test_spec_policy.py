@@ -1019,3 +1019,27 @@ def test_an_exploration_is_priced_with_the_catch_up_it_triggers():
     policy.record_step(StepPlan(rows, 1), StepOutput([[1]] * 8, [None] * 8, [[2]] * 8), 0.04, 0.01)  # caught up
     fix_costs()
     assert not policy._deferred and policy.could_pay(running, rate_k0)
+
+
+def test_the_fit_folds_its_pending_steps_as_step_by_step_updates_would() -> None:
+    """LinearCostModel keeps served steps pending and folds them in at each refit: the forgetting-weighted sums
+    it solves are the ones step-by-step updates give, outliers (clipped, then counted in full) included."""
+    rng = np.random.default_rng(5)
+    model = LinearCostModel(("a", "b", "c"), forgetting=0.9, refresh_every=5)
+    gram, moment = np.zeros((3, 3)), np.zeros(3)
+    true_coef = np.array([1e-3, 2e-4, 5e-6])
+    last = np.zeros(3)  # the last step's weighted features times the seconds its clipping cut off
+    for step in range(40):
+        x = np.array([1.0, rng.integers(1, 9), rng.integers(100, 2000)])
+        seconds = float(x @ true_coef) * (3.0 if step in (20, 21) else 1.0)  # two stalls in a row at 20, 21
+        kept = min(seconds, 1.5 * model.predict(x) + 1e-4) if model.ready else seconds
+        w = 1.0 / max(kept, 1e-4) ** 2
+        gram, moment = 0.9 * gram + w * np.outer(x, x), 0.9 * moment + w * x * kept
+        if step == 21:  # the second stall: both count in full
+            moment += w * x * (seconds - kept) + 0.9 * last
+        last = w * x * (seconds - kept)
+        model.observe(x, seconds)
+    model.refit()
+    np.testing.assert_allclose(model.gram, gram, rtol=1e-10)
+    np.testing.assert_allclose(model.moment, moment, rtol=1e-10)
+    assert model.coef[2] > 0

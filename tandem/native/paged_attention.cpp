@@ -26,8 +26,8 @@ namespace {
 
 constexpr int64_t kMaxChunk = 512;  // keys a task scores at most
 constexpr int64_t kMinChunk = 64;   // ... and at least, unless the row has fewer
-constexpr int64_t kPrefetch = 4;
-constexpr int64_t kWideKey = 128;  // key widths above it score keys-outer (L1 reuse across queries)  // keys ahead whose cache rows are prefetched
+constexpr int64_t kPrefetch = 4;    // keys ahead whose cache rows are prefetched
+constexpr int64_t kWideKey = 128;  // key widths above it score keys-outer (L1 reuse across queries)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // A key or value row as float32: the cache row itself for float32, else converted into `buf`.
@@ -116,6 +116,68 @@ inline void dot4(const float* q, const float* k0, const float* k1, const float* 
     out[2] += q[i] * k2[i];
     out[3] += q[i] * k3[i];
   }
+}
+
+#ifdef __AVX512F__
+constexpr bool kBlock4x4 = true;  // 16 accumulators + the 4 keys and a query fit avx512's 32 vector registers
+#else
+constexpr bool kBlock4x4 = false;  // (avx2's 16 would spill them)
+#endif
+
+// Four queries (q, q + q_stride, ...) against four keys: 16 accumulators, so each loaded vector feeds four FMAs
+// (dot4 feeds 4 FMAs from 5 loads, and the loads, not the FMAs, bound it). out[i * out_stride + e] = q_i . k_e:
+// each the same sum in the same order as dot4's, so the two give the same bits.
+inline void dot4x4(const float* q, int64_t q_stride, const float* k0, const float* k1, const float* k2,
+                   const float* k3, int64_t n, float* out, int64_t out_stride) {
+  f32x16 a[4][4] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const f32x16 y0 = load16(k0 + i), y1 = load16(k1 + i), y2 = load16(k2 + i), y3 = load16(k3 + i);
+#pragma GCC unroll 4
+    for (int64_t r = 0; r < 4; ++r) {
+      const f32x16 x = load16(q + r * q_stride + i);
+      a[r][0] += x * y0;
+      a[r][1] += x * y1;
+      a[r][2] += x * y2;
+      a[r][3] += x * y3;
+    }
+  }
+  for (int64_t r = 0; r < 4; ++r) {
+    float* o = out + r * out_stride;
+    const float* qr = q + r * q_stride;
+    o[0] = hsum(a[r][0]);
+    o[1] = hsum(a[r][1]);
+    o[2] = hsum(a[r][2]);
+    o[3] = hsum(a[r][3]);
+    for (int64_t t = i; t < n; ++t) {
+      o[0] += qr[t] * k0[t];
+      o[1] += qr[t] * k1[t];
+      o[2] += qr[t] * k2[t];
+      o[3] += qr[t] * k3[t];
+    }
+  }
+}
+
+// weighted_cols' 64-column case for four queries' probabilities (p, p + p_stride, ...) over the same values, each
+// value row loaded once for all four; acc + r * acc_stride is query r's output row. Every query runs all w keys, so
+// a query that sees fewer keys needs its probabilities past its width zeroed (0 * a finite value adds exactly 0:
+// the same bits as weighted_cols over its own width).
+inline void weighted_cols4(const float* p, int64_t p_stride, const float* base, const int64_t* off, int64_t w,
+                           int64_t d, float* acc, int64_t acc_stride) {
+  f32x16 a[4][4] = {};
+  for (int64_t s = 0; s < w; ++s) {
+    const float* v = base + off[s] + d;
+    const f32x16 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
+#pragma GCC unroll 4
+    for (int64_t r = 0; r < 4; ++r) {
+      const f32x16 ps = f32x16{} + p[r * p_stride + s];
+      a[r][0] += ps * v0;
+      a[r][1] += ps * v1;
+      a[r][2] += ps * v2;
+      a[r][3] += ps * v3;
+    }
+  }
+  for (int64_t r = 0; r < 4; ++r) std::memcpy(acc + r * acc_stride + d, &a[r][0], sizeof(a[r]));
 }
 
 // acc[d:d + cols] = sum_s p[s] * (base + off[s])[d:d + cols], cols = 64, 16 or a tail under 16: the output block
@@ -300,7 +362,18 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
               const float* k1 = s + 1 < wg ? kg + koff[s + 1] : k0;
               const float* k2 = s + 2 < wg ? kg + koff[s + 2] : k0;
               const float* k3 = s + 3 < wg ? kg + koff[s + 3] : k0;
-              for (int64_t j = j0; j < j1; ++j) {
+              int64_t j = j0;
+              if constexpr (kBlock4x4) {  // four queries at a time where all four see these four keys
+                for (; j + 4 <= j1 && s + 4 <= std::min({width_of[j], width_of[j + 1], width_of[j + 2],
+                                                          width_of[j + 3]}); j += 4) {
+                  float* sj = scores + j * chunk + s;
+                  dot4x4(qf + j * dk, dk, k0, k1, k2, k3, dk, sj, chunk);
+                  for (int64_t r = 0; r < 4; ++r) {
+                    for (int64_t e = 0; e < 4; ++e) sj[r * chunk + e] *= fscale;
+                  }
+                }
+              }
+              for (; j < j1; ++j) {
                 const float* qj = qf + j * dk;
                 float* sj = scores + j * chunk;
                 const int64_t w = width_of[j];
@@ -345,9 +418,26 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
         // 64 output channels at a time, every query of the KV head in turn: the keys' values for those channels
         // stay in L1 across the queries
         for (int64_t g = 0; g < hkv; ++g) {
+          const int64_t j0 = g * r * n, j1 = (g + 1) * r * n;
+          // queries taken four at a time (wide values, avx512): zero each one's probabilities up to the widest of
+          // its four, which then all run that many keys
+          const int64_t quads = kBlock4x4 && dk > kWideKey && dv >= 64 ? (j1 - j0) / 4 : 0;
+          for (int64_t qd = 0; qd < quads; ++qd) {
+            const int64_t j = j0 + 4 * qd;
+            const int64_t wmax = std::max({width_of[j], width_of[j + 1], width_of[j + 2], width_of[j + 3]});
+            for (int64_t e = 0; e < 4; ++e) std::fill(scores + (j + e) * chunk + width_of[j + e],
+                                                      scores + (j + e) * chunk + wmax, 0.f);
+          }
           for (int64_t d = 0; d < dv;) {
             const int64_t cols = dv - d >= 64 ? 64 : (dv - d >= 16 ? 16 : dv - d);
-            for (int64_t j = g * r * n; j < (g + 1) * r * n; ++j) {
+            int64_t j = j0;
+            if (cols == 64) {
+              for (int64_t qd = 0; qd < quads; ++qd, j += 4) {
+                const int64_t wmax = std::max({width_of[j], width_of[j + 1], width_of[j + 2], width_of[j + 3]});
+                weighted_cols4(scores + j * chunk, chunk, vp + g * v_head, voff, wmax, d, acc + j * dv, dv);
+              }
+            }
+            for (; j < j1; ++j) {
               weighted_cols(scores + j * chunk, vp + g * v_head, voff, width_of[j], d, cols, acc + j * dv);
             }
             d += cols;

@@ -151,11 +151,28 @@ class LinearCostModel:
     prior_scale: float = 1.0  # the prior's weight now (PRIOR_FADE per served step)
     num_fits: int = 0  # times re-solved (a caller's prices from before a fit are stale)
     coef: np.ndarray = field(init=False)  # [F] seconds per unit of each term
+    # served steps not yet folded into gram and moment, oldest first: (weight, features, seconds), folded in at the
+    # next refit as one product (per step, the outer product and the forgetting were ~10 small numpy ops)
+    _pending: list[tuple[float, np.ndarray, float]] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.terms)
         self.gram, self.moment, self.coef = np.zeros((n, n)), np.zeros(n), np.zeros(n)
         self.prior_gram, self.prior_moment = np.zeros((n, n)), np.zeros(n)
+
+    def _fold(self) -> None:
+        """gram <- f^m gram + sum_i f^(m-1-i) w_i x_i x_i^T over the m pending steps (moment alike): what m updates
+        gram <- f gram + w x x^T in turn give."""
+        if not self._pending:
+            return
+        m = len(self._pending)
+        weights = np.array([w for w, _, _ in self._pending]) * self.forgetting ** np.arange(m - 1, -1, -1.0)
+        x = np.stack([f for _, f, _ in self._pending])  # [m, F]
+        y = np.array([sec for _, _, sec in self._pending])  # [m]
+        decay = self.forgetting ** m
+        self.gram = decay * self.gram + (x.T * weights) @ x
+        self.moment = decay * self.moment + x.T @ (weights * y)
+        self._pending.clear()
 
     def observe_prior(self, features: np.ndarray, seconds: float) -> None:
         """A calibration step: fitted like a served one, then faded faster (PRIOR_FADE); never clipped."""
@@ -182,11 +199,11 @@ class LinearCostModel:
         # relative error is what ranks K (a rate ratio), so each step weighs 1 / seconds^2: unweighted, a 1.5 s
         # prompt chunk outweighed ~100 decode steps of 35 ms, and K = 0's decode was priced 48% high at 8k keys
         weight = 1.0 / max(kept, MIN_WEIGHTED_SECONDS) ** 2
-        self.gram = self.forgetting * self.gram + weight * np.outer(features, features)
-        self.moment = self.forgetting * self.moment + weight * features * kept
+        self._pending.append((weight, features, kept))
         self.prior_scale = max(self.prior_scale * PRIOR_FADE, MIN_PRIOR_SCALE)
         self.num_observations += 1
         if outlier and self._clipped is not None:  # the second in a row: this one and the last one count in full
+            self._fold()
             last_features, last_excess = self._clipped
             self.moment += weight * features * (seconds - bound) + self.forgetting * last_features * last_excess
             self.refit()
@@ -197,6 +214,7 @@ class LinearCostModel:
     def refit(self) -> None:
         """Non-negative ridge least squares by an active set: solve on the free terms, drop the most negative."""
         self.num_fits += 1
+        self._fold()
         gram = self.gram + self.prior_scale * self.prior_gram
         moment = self.moment + self.prior_scale * self.prior_moment
         free = np.ones(len(self.terms), dtype=bool)

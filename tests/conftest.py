@@ -91,4 +91,5 @@ def native_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     from tandem import native
 
     monkeypatch.setitem(native._model, "dtype", torch.float32)
+    monkeypatch.setitem(native._model, "mla", False)
     assert native.enabled(), "the native CPU kernels build on this machine (g++ and ninja)"

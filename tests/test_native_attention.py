@@ -60,11 +60,14 @@ def _reference(q, k, v, table, rows, positions, scale):
 
 
 @pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("shape", ["gqa", "mha", "mla"])
+@pytest.mark.parametrize("shape", ["gqa", "mha", "mla", "mla_wide", "mla_odd", "gqa_wide"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_equals_float64_reference(seed, shape, dtype):
+    """Wide keys (over the kernel's kWideKey, 128) take the keys-outer loops, four queries x four keys at a time on
+    avx512: DeepSeek's 576-wide latents, odd widths and head counts (tails of every loop), a wide GQA head."""
     rng = np.random.default_rng(seed)
-    hq, hkv, dk, dv = {"gqa": (6, 2, 32, 32), "mha": (3, 3, 16, 24), "mla": (8, 1, 72, 64)}[shape]
+    hq, hkv, dk, dv = {"gqa": (6, 2, 32, 32), "mha": (3, 3, 16, 24), "mla": (8, 1, 72, 64),
+                       "mla_wide": (4, 1, 576, 512), "mla_odd": (5, 1, 200, 136), "gqa_wide": (6, 2, 160, 144)}[shape]
     rows, positions, table, slots = _layout(rng, int(rng.integers(1, 9)), 300, pcp_like=seed % 2 == 1)
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(slots, hkv, dk, generator=g).to(dtype)
@@ -181,3 +184,14 @@ def test_prompt_rows_through_the_kernel_give_the_same_tokens(tiny_checkpoints, m
         else:
             assert not picked
     assert tokens[True] == tokens[False]
+
+
+@pytest.mark.parametrize("arch, served", [("llama", True), ("glm4_moe", True), ("deepseek_v3", False)])
+def test_bf16_models_use_the_kernel_unless_they_have_mla(tiny_checkpoints, arch, served):
+    """bf16 GQA models run the kernel (their tokens stay within test_bf16_parity's tie rule); bf16 MLA keeps the
+    PyTorch path (tandem/native/__init__.py says why); float32 runs it whatever the attention."""
+    llm = LLM(str(tiny_checkpoints(arch)), dtype="bfloat16")
+    assert native.enabled() is served
+    llm.shutdown()
+    native.use_for(torch.float32, mla=True)
+    assert native.enabled()

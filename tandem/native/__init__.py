@@ -35,23 +35,28 @@ _lock = threading.Lock()
 _state: dict[str, bool] = {}
 
 
-# Model dtypes the kernel serves. bfloat16 keeps the PyTorch path: its matmuls round the scores and probabilities to
-# bf16 as Hugging Face's bf16 attention does, and the kernel's float32 scores part ways with those roundings; on the
-# tiny random MoE checkpoints a 1-ulp difference flips a router's top-k and moves the greedy tokens far off
-# (tests/test_bf16_parity.py). The kernel itself computes bf16 caches correctly (tests/test_native_attention.py).
+# Model dtypes the kernel serves. float32 always; bfloat16 for models without latent (MLA) attention. The kernel
+# keeps bf16 scores and probabilities in float32 where Hugging Face's bf16 attention rounds them to bf16; on the tiny
+# random GQA checkpoints (llama, qwen3, glm4_moe) the greedy tokens stay within tests/test_bf16_parity.py's tie rule,
+# and SmolLM2-135M's bf16 decode gains 1.17x (32 rows, benchmarks/fast_paths.py --path native-kernels). On the
+# tiny deepseek_v3 (MLA) checkpoint the difference flips a router's top-k and the tokens part far from HF's (a gap of
+# 0.43 at the first difference, the rule's tie is 0.03), so bf16 MLA keeps the PyTorch path, whose absorbed-MLA
+# matmuls round as HF's do. The elementwise kernels and the small-row GEMM serve float32 only (their callers check).
 NATIVE_DTYPES = (torch.float32,)
-_model: dict[str, torch.dtype] = {"dtype": torch.float32}
+NATIVE_DTYPES_WITHOUT_MLA = (torch.float32, torch.bfloat16)
+_model: dict[str, object] = {"dtype": torch.float32, "mla": False}
 
 
-def use_for(dtype: torch.dtype) -> None:
-    """The model runner's dtype: the kernel serves it when it is one of NATIVE_DTYPES."""
-    _model["dtype"] = dtype
+def use_for(dtype: torch.dtype, mla: bool = False) -> None:
+    """The model runner's dtype, and whether any of its attention layers is latent (MLA): the kernel serves the
+    dtype when it is one of NATIVE_DTYPES (NATIVE_DTYPES_WITHOUT_MLA for a model without MLA)."""
+    _model["dtype"], _model["mla"] = dtype, mla
 
 
 def enabled() -> bool:
     """True when the kernel serves this process's model: its dtype is one of NATIVE_DTYPES and the kernel is built
     and loaded (built on the first call)."""
-    if _model["dtype"] not in NATIVE_DTYPES:
+    if _model["dtype"] not in (NATIVE_DTYPES if _model["mla"] else NATIVE_DTYPES_WITHOUT_MLA):
         return False
     if "ok" in _state:
         return _state["ok"]

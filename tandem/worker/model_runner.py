@@ -50,7 +50,8 @@ class ModelRunner:
         self.proposer: Proposer = build_proposer(config, self.model, self.draft_mode, self.backends)
         # oneDNN-packed weights on the CPU; compiled pieces get theirs from inductor's freezing
         prepack_linears(self.model, lm_head_only=self.compilation.compiles)
-        native.use_for(config.model_config.dtype)  # the native attention kernel serves float32 models
+        # which dtypes the native attention kernel serves depends on MLA (tandem/native/__init__.py)
+        native.use_for(config.model_config.dtype, mla=any(isinstance(m, MLAAttention) for m in self.model.modules()))
         compile_model(self.model, self.compilation)
         # distributions the last proposal's drafts were sampled from, per request (probabilistic drafting)
         self.draft_probs: dict[str, torch.Tensor] = {}

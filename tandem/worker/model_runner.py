@@ -51,7 +51,8 @@ class ModelRunner:
         # oneDNN-packed weights on the CPU; compiled pieces get theirs from inductor's freezing
         prepack_linears(self.model, lm_head_only=self.compilation.compiles)
         # which dtypes the native attention kernel serves depends on MLA (tandem/native/__init__.py)
-        native.use_for(config.model_config.dtype, mla=any(isinstance(m, MLAAttention) for m in self.model.modules()))
+        native.use_for(config.model_config.dtype,
+                       mla=any(getattr(m, "kind", None) == MLAAttention.kind for m in self.model.modules()))
         compile_model(self.model, self.compilation)
         # distributions the last proposal's drafts were sampled from, per request (probabilistic drafting)
         self.draft_probs: dict[str, torch.Tensor] = {}

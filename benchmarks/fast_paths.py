@@ -3,7 +3,7 @@ alternating rounds (ABBA...), so the shared machine's drift hits both sides alik
 each side and whether the tokens are identical.
 
     python benchmarks/fast_paths.py --path cascade|dense-moe|bf16-small-mm|gqa-head-major|bf16-pack|native-kernels|
-        native-elementwise|small-gemm
+        native-elementwise|small-gemm|ngram-search
         [--model PATH] [--dtype float32] [--spec JSON] [--batch 32] [--reps 4] [--max-tokens 96] [--fresh]
         [--zero-shot] [--threads 1]
 
@@ -18,6 +18,8 @@ silu(gate) * up, rotary; off is the PyTorch paths (padded gathers + SDPA, in-pla
 `native-elementwise`: only the elementwise kernels (RMSNorm, silu(gate) * up, rotary), attention native both ways.
 `small-gemm`: linears of up to cpu_gemm.SMALL_ROWS rows (4 on packed weights) through the native small-row GEMM;
 off is F.linear / the packed oneDNN weight.
+`ngram-search`: n-gram lookup by str.rfind (spec_decode/ngram.py); off is the Python scan it replaced (use with
+--spec '{"method": "ngram", ...}').
 `--zero-shot`: the bare GSM8K questions of `tandem bench offline` instead (no shared prefix, so no cascade).
 Prompts: 5-shot GSM8K test questions (benchmarks/spec_decode.py's), so the rows share the cached 5-shot prefix;
 greedy, `ignore_eos`, one torch thread. By default every round reruns the same prompts (after the warm-up the whole
@@ -44,6 +46,7 @@ from tandem.attention import metadata
 from tandem.attention.backends import prefix
 from tandem.bench.prompts import bench_prompts
 from tandem.layers import cpu_gemm, moe
+from tandem.spec_decode import ngram
 
 sys.path.insert(0, str(Path(__file__).parent))
 from spec_decode import prompts  # noqa: E402
@@ -62,6 +65,8 @@ def switch(path: str, on: bool, saved: dict[str, Any]) -> None:
         native.set_enabled(on)
     elif path == "native-elementwise":  # the layers ask native.serves before each elementwise kernel
         native.serves = saved["serves"] if on else (lambda *args: False)  # type: ignore[assignment]
+    elif path == "ngram-search":
+        ngram.propose_ngram = saved["ngram"] if on else ngram._scan  # type: ignore[assignment]
     elif path == "small-gemm":
         cpu_gemm.SMALL_ROWS, cpu_gemm.SMALL_ROWS_PACKED = saved["small_rows"] if on else (0, 0)
     else:  # bf16-pack: off unpacks what float32's rule would not have packed
@@ -74,7 +79,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--path", required=True,
                    choices=["cascade", "dense-moe", "bf16-small-mm", "gqa-head-major", "bf16-pack",
-                                         "native-kernels", "native-elementwise", "small-gemm"])
+                                         "native-kernels", "native-elementwise", "small-gemm", "ngram-search"])
     p.add_argument("--model", default=str(DEFAULT_MODEL))
     p.add_argument("--spec", default=None, help="speculative_config as JSON")
     p.add_argument("--batch", type=int, default=32)
@@ -90,7 +95,7 @@ def main() -> None:
     model = llm.engine.executor.runner.model
     saved = {"cascade": metadata.CASCADE_MIN_KEYS, "dense": moe.FusedMoE._dense_pays,
              "head_major": prefix.HEAD_MAJOR_DTYPES, "serves": native.serves,
-             "small_rows": (cpu_gemm.SMALL_ROWS, cpu_gemm.SMALL_ROWS_PACKED),
+             "small_rows": (cpu_gemm.SMALL_ROWS, cpu_gemm.SMALL_ROWS_PACKED), "ngram": ngram.propose_ngram,
              "bf16_dot": cpu_gemm._CPU_HAS_BF16_DOT, "small_mm": prefix.small_matmul,
              "packed": [(m, m.packed_weight) for m in model.modules() if hasattr(m, "packed_weight")]}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)

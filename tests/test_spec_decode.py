@@ -335,3 +335,20 @@ def test_ngram_history_survives_prefix_hits_and_preemption(tiny_checkpoints, mon
     assert pcp > 1 or histories
     for tokens in histories:
         assert any(f[:len(tokens)] == tokens for f in futures), f"history {tokens[:8]}... is no request's prefix"
+
+
+def test_ngram_lookup_equals_the_plain_scan_on_a_seeded_fuzz():
+    """propose_ngram's str.rfind search against the right-to-left scan it replaced (kept for ids past the last code
+    point): short histories over tiny and large vocabularies, every k / min_n / max_n, overlapping matches."""
+    import random
+
+    rng = random.Random(1234)
+    for _ in range(5000):
+        vocab = rng.choice([2, 3, 7, 50, 200_000, 0x10FFFF])
+        tokens = [rng.randrange(vocab) for _ in range(rng.randrange(0, 40))]
+        k, min_n, max_n = rng.randrange(0, 5), rng.randrange(1, 4), rng.randrange(0, 6)
+        want = ngram._scan(tokens, k, min_n, max_n) if k > 0 else []
+        assert propose_ngram(tokens, k, min_n, max_n) == want, (tokens, k, min_n, max_n)
+    assert propose_ngram([5, 6, 7, 5, 6], 2, 1, 2) == [7, 5]  # "5 6" recurs: what followed it
+    huge = [0x110000 + 1, 3, 0x110000 + 1]  # not a code point: the plain scan serves
+    assert propose_ngram(huge, 1, 1, 1) == [3]

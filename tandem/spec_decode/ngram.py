@@ -5,9 +5,28 @@ from __future__ import annotations
 
 
 def propose_ngram(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """Up to k draft tokens for the continuation of `token_ids`; [] when no n-gram repeats."""
+    """Up to k draft tokens for the continuation of `token_ids`; [] when no n-gram repeats.
+
+    The search runs in C: each token id becomes one character of a str and str.rfind finds the last earlier
+    occurrence of the suffix (a Python scan over a 1,100-token history that holds no match took ~480 us a row,
+    8% of a batch-1 step; the str's build and rfind take ~30 us). Ids past the last code point (no real
+    vocabulary) take the Python scan."""
     if k <= 0:
         return []
+    length = len(token_ids)
+    try:
+        text = "".join(map(chr, token_ids))
+    except (ValueError, OverflowError):
+        return _scan(token_ids, k, min_n, max_n)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        # the last start <= length - n - 1: the match ends before the last token, so a token follows it
+        start = text.rfind(text[length - n:], 0, length - 1)
+        if start >= 0:
+            return token_ids[start + n:start + n + k]
+    return []
+
+
+def _scan(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:
     length = len(token_ids)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         suffix = token_ids[length - n:]

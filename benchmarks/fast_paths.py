@@ -18,7 +18,8 @@ silu(gate) * up, rotary; off is the PyTorch paths (padded gathers + SDPA, in-pla
 `native-elementwise`: only the elementwise kernels (RMSNorm, silu(gate) * up, rotary), attention native both ways.
 `small-gemm`: linears of up to cpu_gemm.SMALL_ROWS rows (4 on packed weights) through the native small-row GEMM;
 off is F.linear / the packed oneDNN weight.
-`ngram-search`: n-gram lookup by str.rfind (spec_decode/ngram.py); off is the Python scan it replaced (use with
+`ngram-search`: n-gram lookup by str.rfind over the proposer's kept text of each history (spec_decode/ngram.py); off
+is the Python scan it replaced (use with
 --spec '{"method": "ngram", ...}').
 `--zero-shot`: the bare GSM8K questions of `tandem bench offline` instead (no shared prefix, so no cascade).
 Prompts: 5-shot GSM8K test questions (benchmarks/spec_decode.py's), so the rows share the cached 5-shot prefix;
@@ -66,7 +67,8 @@ def switch(path: str, on: bool, saved: dict[str, Any]) -> None:
     elif path == "native-elementwise":  # the layers ask native.serves before each elementwise kernel
         native.serves = saved["serves"] if on else (lambda *args: False)  # type: ignore[assignment]
     elif path == "ngram-search":
-        ngram.propose_ngram = saved["ngram"] if on else ngram._scan  # type: ignore[assignment]
+        ngram.propose_ngram = saved["ngram"] if on else (  # type: ignore[assignment]
+            lambda tokens, k, min_n, max_n, text=None: ngram._scan(tokens, k, min_n, max_n))
     elif path == "small-gemm":
         cpu_gemm.SMALL_ROWS, cpu_gemm.SMALL_ROWS_PACKED = saved["small_rows"] if on else (0, 0)
     else:  # bf16-pack: off unpacks what float32's rule would not have packed

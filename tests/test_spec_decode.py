@@ -313,8 +313,9 @@ def test_ngram_history_survives_prefix_hits_and_preemption(tiny_checkpoints, mon
     futures = [p + o.outputs[0].token_ids for p, o in zip(prompts, first + rest, strict=True)]
     histories: list[list[int]] = []
 
-    def recording(tokens: list[int], *args: int) -> list[int]:
+    def recording(tokens: list[int], *args) -> list[int]:  # type: ignore[no-untyped-def]
         histories.append(list(tokens))
+        assert args[3] == ngram.as_text(tokens), "the proposer's text of the history went out of step with it"
         return propose_ngram(tokens, *args)
 
     monkeypatch.setattr(ngram, "propose_ngram", recording)  # reaches the drafter of a single-rank engine only

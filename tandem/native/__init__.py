@@ -54,8 +54,8 @@ def use_for(dtype: torch.dtype, mla: bool = False) -> None:
 
 
 def enabled() -> bool:
-    """True when the kernel serves this process's model: its dtype is one of NATIVE_DTYPES and the kernel is built
-    and loaded (built on the first call)."""
+    """True when the kernel serves this process's model: its dtype is one of NATIVE_DTYPES (NATIVE_DTYPES_WITHOUT_MLA
+    for a model without MLA) and the kernel is built and loaded (built on the first call)."""
     if _model["dtype"] not in (NATIVE_DTYPES if _model["mla"] else NATIVE_DTYPES_WITHOUT_MLA):
         return False
     if "ok" in _state:

@@ -151,9 +151,10 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
                                              ("deepseek_v3", None, "long")])
 def test_batch_sharing_a_cached_prefix_gives_the_tokens_of_each_prompt_alone(tiny_checkpoints, monkeypatch,
                                                                              arch, spec, tails):
-    """short: the prompts' new tokens are short rows (cascade); long: prompt chunks of > 16 tokens, whose shared
-    prefix MLA expands once a layer for all of them (expanded attention forced on). A fifth request with a prefix of
-    its own runs beside them (its rows are padded apart, without the shared prefix)."""
+    """short: the prompts' new tokens are short rows (cascade; MLA attends the prefix absorbed on its first step and
+    in its kept expanded form after, tandem/attention/expanded_prefix.py); long: prompt chunks of > 16 tokens, whose
+    shared prefix MLA expands once a layer for all of them (expanded attention forced on). A fifth request with a
+    prefix of its own runs beside them (its rows are padded apart, without the shared prefix)."""
     monkeypatch.setattr("tandem.attention.metadata.CASCADE_MIN_KEYS", 64)  # the tiny checkpoints' short contexts
     import tandem.attention.backends.paged_mla as mla_mod
     import tandem.attention.backends.prefix as prefix_mod
@@ -161,6 +162,11 @@ def test_batch_sharing_a_cached_prefix_gives_the_tokens_of_each_prompt_alone(tin
     merges = []
     real_merge = prefix_mod._merge_shared_prefix
     monkeypatch.setattr(prefix_mod, "_merge_shared_prefix", lambda *a: merges.append(1) or real_merge(*a))
+    import tandem.attention.expanded_prefix as expanded_mod
+
+    kept = []  # MLA decode steps that attended the prefix in its kept expanded form (from its second sighting)
+    real_kept = expanded_mod.merge_expanded_prefix
+    monkeypatch.setattr(expanded_mod, "merge_expanded_prefix", lambda *a: kept.append(1) or real_kept(*a))
     hoisted = []
     real_long = mla_mod.long_row_attention
     monkeypatch.setattr(mla_mod, "long_row_attention",
@@ -177,6 +183,8 @@ def test_batch_sharing_a_cached_prefix_gives_the_tokens_of_each_prompt_alone(tin
     batched = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
                                                             use_tqdm=False)]
     assert merges, "no step attended a shared prefix"
+    if arch == "deepseek_v3" and tails == "short":
+        assert kept, "no step attended the prefix's kept expansion"
     merges.clear()
     if tails == "long":
         assert any(hoisted), "no prompt chunk reused the shared prefix's expansion"

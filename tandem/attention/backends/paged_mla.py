@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from tandem.attention import expanded_prefix
 from tandem.attention.backend import AttentionBackend, register_backend
-from tandem.attention.backends.prefix import prefix_attention, write_kv
+from tandem.attention.backends.prefix import own_key_attention, prefix_attention, write_kv
 from tandem.attention.metadata import SHORT_ROW_TOKENS, AttentionMetadata, gather_rows, select_rows
 from tandem.attention.mla import (
     MLAUpProjection,
@@ -56,10 +57,20 @@ class PagedMLABackend(AttentionBackend):
         # q_nope: [T, H, nope]; q_pe: [T, H, rope]; entries: [T, L + rope] this step's latents -> [T, H, v]
         cache_flat = kv_cache.flatten(0, 1)  # [num_slots, L + R]
         write_kv(cache_flat, entries, meta)
+        expanded_prefix.note_writes(kv_cache, meta.write_slots)
         lora = up.w_uk.shape[-1]
         lat = cache_flat.unsqueeze(1)  # [num_slots, 1, L + R]
+        # the short rows' shared prefix (cascade), attended in its expanded form when that is kept for this layer
+        kept = None if meta.shared_prefix is None else expanded_prefix.lookup(kv_cache, cache_flat, meta.shared_prefix,
+                                                                              up, q_nope.dtype)
         if not meta.long_rows:  # decodes and verification rows only: every token absorbed
-            return up_project(prefix_attention(absorb(q_nope, q_pe, up), lat, None, meta, scale, value_dims=lora), up)
+            q_abs = absorb(q_nope, q_pe, up)
+            if kept is None:
+                return up_project(prefix_attention(q_abs, lat, None, meta, scale, value_dims=lora), up)
+            o_latent, lse = own_key_attention(q_abs, lat, None, meta, scale, lora)
+            assert meta.shared_prefix is not None and lse is not None
+            return expanded_prefix.merge_expanded_prefix(q_nope, q_pe, up_project(o_latent, up), lse,
+                                                         meta.shared_prefix, kept, scale)
         out = q_nope.new_zeros(q_nope.shape[0], q_nope.shape[1], up.w_uv.shape[1])
         # short rows beside prompt chunks: absorb only the short rows' tokens
         if meta.groups or meta.row_keys or meta.native_rows is not None:
@@ -68,8 +79,14 @@ class PagedMLABackend(AttentionBackend):
                 short[piece.token_start: piece.token_start + piece.num_queries] = False
             q_abs = q_nope.new_zeros(q_nope.shape[0], q_nope.shape[1], lora + q_pe.shape[-1])
             q_abs[short] = absorb(q_nope[short], q_pe[short], up)
-            o_latent = prefix_attention(q_abs, lat, None, meta, scale, value_dims=lora, long_rows=False)
-            out[short] = up_project(o_latent[short], up)
+            if kept is None:
+                o_latent = prefix_attention(q_abs, lat, None, meta, scale, value_dims=lora, long_rows=False)
+                out[short] = up_project(o_latent[short], up)
+            else:
+                o_latent, lse = own_key_attention(q_abs, lat, None, meta, scale, lora, long_rows=False)
+                assert meta.shared_prefix is not None and lse is not None
+                out[short] = up_project(o_latent[short], up)
+                out = expanded_prefix.merge_expanded_prefix(q_nope, q_pe, out, lse, meta.shared_prefix, kept, scale)
         shared, num_shared = None, 0
         num_sharing = sum(lr.shares_prefix for lr in meta.long_rows)
         for lr in meta.long_rows:
@@ -94,6 +111,7 @@ class PagedMLABackend(AttentionBackend):
         # q: [T_global, H, nope + rope] every query of the step; entries: [num gathered, L + rope] new latents
         cache_flat = kv_cache.flatten(0, 1)  # [num_local_slots, L + R]
         write_kv(cache_flat, entries, meta)
+        expanded_prefix.note_writes(kv_cache, meta.write_slots)
         heads, nope, lora = up.w_uk.shape
         rope = q.shape[-1] - nope
         lat = cache_flat.unsqueeze(1)  # [num_local_slots, 1, L + R]: MQA, the values are the keys' first L

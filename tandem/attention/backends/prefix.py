@@ -40,6 +40,23 @@ def prefix_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor
     so a key is read once for both. `long_rows=False`: only the short rows (their output rows; others zero)."""
     dv = value_dims if v_flat is None else v_flat.shape[-1]
     assert dv is not None
+    out, lse = own_key_attention(q, k_flat, v_flat, meta, scale, dv, long_rows)
+    shared = meta.shared_prefix
+    if shared is None:
+        return out
+    assert lse is not None
+    short = shared.token_idx
+    if short is None:
+        return _merge_shared_prefix(q, out, lse, k_flat, v_flat, shared, scale, dv)
+    out[short] = _merge_shared_prefix(q[short], out[short], lse[short], k_flat, v_flat, shared, scale, dv)
+    return out
+
+
+def own_key_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor | None, meta: AttentionMetadata,
+                      scale: float, dv: int, long_rows: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """prefix_attention without the shared prefix (meta.shared_prefix): every row over its own keys -> (out
+    [T, Hq, Dv]; the short rows' LSE [T, Hq] float32 when the step has a shared prefix to merge, else None).
+    The caller merges the prefix's part (MLA may attend it expanded: tandem/attention/expanded_prefix.py)."""
     groups, shared = meta.groups, meta.shared_prefix  # (no groups when the native kernel takes the short rows)
     if len(groups) == 1 and groups[0].covers_all(q.shape[0]):  # one dense group: its output is the whole output
         g = groups[0]
@@ -47,9 +64,9 @@ def prefix_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor
         vg = kg[..., :dv] if v_flat is None else gather_rows(v_flat, g.kv_slots).to(q.dtype)
         qg = q.view(*g.token_idx.shape, *q.shape[1:])
         if shared is None:
-            return grouped_sdpa(qg, kg, vg, g.mask, scale, g.blocked).flatten(0, 1)
+            return grouped_sdpa(qg, kg, vg, g.mask, scale, g.blocked).flatten(0, 1), None
         og, lg = grouped_sdpa_lse(qg, kg, vg, scale, g.blocked)
-        return _merge_shared_prefix(q, og.flatten(0, 1), lg.flatten(0, 1), k_flat, v_flat, shared, scale, dv)
+        return og.flatten(0, 1), lg.flatten(0, 1)
     if meta.native_rows is not None:  # the short rows read in place by the native CPU kernel
         out, lse = native_short_rows(q, k_flat, v_flat, meta, meta.native_rows, scale, dv)
     else:
@@ -71,13 +88,6 @@ def prefix_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor
         out[rows] = o_row
         if lse is not None:
             lse[rows] = l_row
-    if shared is not None:
-        assert lse is not None
-        short = shared.token_idx
-        if short is None:
-            out = _merge_shared_prefix(q, out, lse, k_flat, v_flat, shared, scale, dv)
-        else:
-            out[short] = _merge_shared_prefix(q[short], out[short], lse[short], k_flat, v_flat, shared, scale, dv)
     native_long = long_rows and meta.native_long_rows is not None
     if native_long:  # prompt rows of a GQA model whole through the native kernel, written into `out` in place
         assert meta.native_long_rows is not None
@@ -97,7 +107,7 @@ def prefix_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor
             rows = slice(p.token_start, p.token_start + p.num_queries)
             out[rows] = causal_row_attention(q[rows].transpose(0, 1), kg[:, : p.seq_len], vg[:, : p.seq_len],
                                              scale).transpose(0, 1)
-    return out
+    return out, lse
 
 
 def native_short_rows(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor | None, meta: AttentionMetadata,

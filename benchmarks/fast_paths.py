@@ -3,7 +3,7 @@ alternating rounds (ABBA...), so the shared machine's drift hits both sides alik
 each side and whether the tokens are identical.
 
     python benchmarks/fast_paths.py --path cascade|dense-moe|bf16-small-mm|gqa-head-major|bf16-pack|native-kernels|
-        native-elementwise|small-gemm|ngram-search
+        native-elementwise|small-gemm|ngram-search|native-moe|expanded-prefix
         [--model PATH] [--dtype float32] [--spec JSON] [--batch 32] [--reps 4] [--max-tokens 96] [--fresh]
         [--zero-shot] [--threads 1]
 
@@ -21,6 +21,10 @@ off is F.linear / the packed oneDNN weight.
 `ngram-search`: n-gram lookup by str.rfind over the proposer's kept text of each history (spec_decode/ngram.py); off
 is the Python scan it replaced (use with
 --spec '{"method": "ngram", ...}').
+`native-moe`: a MoE layer's routed experts through the native kernel (the chosen pairs only); off is the PyTorch
+paths (dense, gathered or looped, FusedMoE._experts).
+`expanded-prefix`: MLA cascade attention over the shared prefix in its kept expanded form
+(tandem/attention/expanded_prefix.py); off attends it absorbed every step.
 `--zero-shot`: the bare GSM8K questions of `tandem bench offline` instead (no shared prefix, so no cascade).
 Prompts: 5-shot GSM8K test questions (benchmarks/spec_decode.py's), so the rows share the cached 5-shot prefix;
 greedy, `ignore_eos`, one torch thread. By default every round reruns the same prompts (after the warm-up the whole
@@ -43,7 +47,7 @@ import torch
 
 from tandem import LLM, SamplingParams, native
 from tandem.assets import DEFAULT_MODEL
-from tandem.attention import metadata
+from tandem.attention import expanded_prefix, metadata
 from tandem.attention.backends import prefix
 from tandem.bench.prompts import bench_prompts
 from tandem.layers import cpu_gemm, moe
@@ -69,6 +73,10 @@ def switch(path: str, on: bool, saved: dict[str, Any]) -> None:
     elif path == "ngram-search":
         ngram.propose_ngram = saved["ngram"] if on else (  # type: ignore[assignment]
             lambda tokens, k, min_n, max_n, text=None: ngram._scan(tokens, k, min_n, max_n))
+    elif path == "native-moe":
+        moe.NATIVE_EXPERTS = on
+    elif path == "expanded-prefix":
+        expanded_prefix.MAX_BYTES = saved["expanded"] if on else 0
     elif path == "small-gemm":
         cpu_gemm.SMALL_ROWS, cpu_gemm.SMALL_ROWS_PACKED = saved["small_rows"] if on else (0, 0)
     else:  # bf16-pack: off unpacks what float32's rule would not have packed
@@ -80,8 +88,8 @@ def switch(path: str, on: bool, saved: dict[str, Any]) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--path", required=True,
-                   choices=["cascade", "dense-moe", "bf16-small-mm", "gqa-head-major", "bf16-pack",
-                                         "native-kernels", "native-elementwise", "small-gemm", "ngram-search"])
+                   choices=["cascade", "dense-moe", "bf16-small-mm", "gqa-head-major", "bf16-pack", "native-kernels",
+                            "native-elementwise", "small-gemm", "ngram-search", "native-moe", "expanded-prefix"])
     p.add_argument("--model", default=str(DEFAULT_MODEL))
     p.add_argument("--spec", default=None, help="speculative_config as JSON")
     p.add_argument("--batch", type=int, default=32)
@@ -98,7 +106,8 @@ def main() -> None:
     saved = {"cascade": metadata.CASCADE_MIN_KEYS, "dense": moe.FusedMoE._dense_pays,
              "head_major": prefix.HEAD_MAJOR_DTYPES, "serves": native.serves,
              "small_rows": (cpu_gemm.SMALL_ROWS, cpu_gemm.SMALL_ROWS_PACKED), "ngram": ngram.propose_ngram,
-             "bf16_dot": cpu_gemm._CPU_HAS_BF16_DOT, "small_mm": prefix.small_matmul,
+             "bf16_dot": cpu_gemm._CPU_HAS_BF16_DOT, "expanded": expanded_prefix.MAX_BYTES,
+             "small_mm": prefix.small_matmul,
              "packed": [(m, m.packed_weight) for m in model.modules() if hasattr(m, "packed_weight")]}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     runs = 2 * args.reps + 2 if args.fresh else 1

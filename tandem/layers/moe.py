@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem import native
 from tandem.compilation import opaque_ops
 from tandem.distributed.groups import SINGLE, Group
 from tandem.layers.activation import silu_and_mul
@@ -42,6 +43,9 @@ def _float32_param(shape: tuple[int, ...]) -> nn.Parameter:
 # Dense experts (every local expert over every token): while the local experts are at most this many times
 # the choices per token, and the step's token x expert products at most this many (FusedMoE._dense_pays).
 DENSE_MAX_WASTE = 4
+# float32 CPU experts through the native kernel (tandem/native: the chosen pairs only) where it serves; the A/B
+# benchmark (benchmarks/fast_paths.py --path native-moe) switches it off
+NATIVE_EXPERTS = True
 DENSE_MAX_PRODUCTS = 256
 
 
@@ -188,6 +192,13 @@ class FusedMoE(nn.Module):
         return torch.cat(pieces)  # [n, H]
 
     def _experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if NATIVE_EXPERTS and native.serves(x, self.w13_weight, self.w2_weight) and self.w13_weight.is_contiguous() \
+                and self.w2_weight.is_contiguous():
+            # only the chosen pairs, each expert's weights streamed once (one token: 215 -> 25 us, 32 tokens:
+            # 618 -> 199 us, 128 tokens: 1,916 -> 817 us; 8 experts, top-2, hidden 256, weights hot), and a token's
+            # result does not depend on its batch (a verification row's experts give its decode's bits)
+            return native.moe_experts(x, self.w13_weight, self.w2_weight, topk_ids.long().contiguous(),
+                                      topk_weights.float().contiguous(), self.expert_start)
         if self._dense_pays(*topk_ids.shape):
             return self._dense_experts(x, topk_weights, topk_ids)
         if topk_ids.numel() <= self._max_gathered_pairs:

@@ -8,7 +8,9 @@
   PyTorch ops (every one a ~5-15 us dispatch at decode sizes and a pass over memory at prompt sizes); and the
   greedy argmax over logits rows (torch's CPU argmax is a scalar loop: ~1.2 ms a step at [32, 49152]).
 - small_gemm.cpp: y = x W^T for up to 16 rows of x (decode, verification and draft passes at small batch), the
-  weight streamed once for every row; MKL's sgemm costs twice its gemv from two rows on.
+  weight streamed once for every row; MKL's sgemm costs twice its gemv from two rows on. And a MoE layer's routed
+  experts over only the chosen (token, expert) pairs, each expert's weights streamed once for its rows: the PyTorch
+  paths run every expert densely (E / K times the work) or loop over experts with a dispatch per matmul.
 
 vLLM's CPU backend has its own C++ ops for the same reasons. The extension is compiled with torch's C++ extension
 builder (the C++ compiler and ninja that inductor's CPU code generation needs too), cached under torch's extensions
@@ -28,7 +30,7 @@ import torch
 log = logging.getLogger("tandem")
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "elementwise.cpp", "small_gemm.cpp")]
-_OPS = ("paged_attention", "rms_norm", "silu_and_mul", "rotary", "argmax_rows", "small_linear")
+_OPS = ("paged_attention", "rms_norm", "silu_and_mul", "rotary", "argmax_rows", "small_linear", "moe_experts")
 ISA_FLAGS = {"AVX2": ["-mavx2", "-mfma", "-mf16c"],
              "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"]}
 _lock = threading.Lock()
@@ -137,6 +139,15 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """x: [M, K] float32 (K contiguous), M <= 16; weight: [N, K] contiguous; bias: [N] or None -> a new [M, N],
     each output one dot product summed in a fixed order whatever M (small_gemm.cpp)."""
     return torch.ops.tandem_native.small_linear(x, weight, bias)
+
+
+def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor, expert_start: int) -> torch.Tensor:
+    """x: [T, H] float32; w13: [E, 2I, H] ([gate | up]); w2: [E, H, I]; topk_ids: [T, K] int64 global expert ids;
+    topk_weights: [T, K] float32 -> a new [T, H]: each token's chosen local experts (ids expert_start ..
+    expert_start + E - 1) weighted and summed in ascending expert order; a token's result does not depend on the
+    other tokens of the call."""
+    return torch.ops.tandem_native.moe_experts(x, w13, w2, topk_ids, topk_weights, expert_start)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

@@ -261,6 +261,11 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& positions, const at::Te
 
 }  // namespace
 
+namespace tandem_native {
+// silu(g) * u over n lanes, for the routed experts' kernel (small_gemm.cpp): one formula for both
+void silu_mul(const float* g, const float* u, float* o, int64_t n) { silu_mul_row(g, u, o, n); }
+}  // namespace tandem_native
+
 TORCH_LIBRARY_FRAGMENT(tandem_native, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");

@@ -11,7 +11,7 @@ import torch
 
 from tandem import native
 from tandem.distributed.groups import SINGLE, Group
-from tandem.layers.moe import FusedMoE
+from tandem.layers.moe import NATIVE_MAX_PAIRS_PER_EXPERT, FusedMoE
 
 
 def _moe(ep: Group = SINGLE, num_experts: int = 8) -> FusedMoE:
@@ -98,6 +98,9 @@ def test_native_experts_equal_the_loop_and_ignore_their_batch(ep_rank):
                        torch.zeros_like(x))
     empty = native.moe_experts(x[:0], moe.w13_weight, moe.w2_weight, ids[:0], w[:0], moe.expert_start)
     assert empty.shape == (0, 64)
+    # past NATIVE_MAX_PAIRS_PER_EXPERT (a prefill's big GEMMs) the PyTorch loop serves
+    x, w, ids = _routing(NATIVE_MAX_PAIRS_PER_EXPERT * moe.num_local_experts // 2 + 1, 2, 6)
+    assert torch.equal(moe._experts(x, w, ids), moe._looped_experts(x, w, ids))
 
 
 @pytest.mark.usefixtures("native_kernels")

@@ -46,6 +46,10 @@ DENSE_MAX_WASTE = 4
 # float32 CPU experts through the native kernel (tandem/native: the chosen pairs only) where it serves; the A/B
 # benchmark (benchmarks/fast_paths.py --path native-moe) switches it off
 NATIVE_EXPERTS = True
+# ... for up to this many (token, choice) pairs per local expert: past it a prefill's experts are big GEMMs, which
+# MKL blocks better than the kernel's weight-streaming (8 experts, top-2, hidden 256: 256 tokens 1.5 vs 2.4 ms looped,
+# 512 tokens 3.0 vs 3.2, 1,024 tokens 6.7 vs 4.4)
+NATIVE_MAX_PAIRS_PER_EXPERT = 96
 DENSE_MAX_PRODUCTS = 256
 
 
@@ -192,7 +196,8 @@ class FusedMoE(nn.Module):
         return torch.cat(pieces)  # [n, H]
 
     def _experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        if NATIVE_EXPERTS and native.serves(x, self.w13_weight, self.w2_weight) and self.w13_weight.is_contiguous() \
+        if NATIVE_EXPERTS and topk_ids.numel() <= NATIVE_MAX_PAIRS_PER_EXPERT * self.num_local_experts \
+                and native.serves(x, self.w13_weight, self.w2_weight) and self.w13_weight.is_contiguous() \
                 and self.w2_weight.is_contiguous():
             # only the chosen pairs, each expert's weights streamed once (one token: 215 -> 25 us, 32 tokens:
             # 618 -> 199 us, 128 tokens: 1,916 -> 817 us; 8 experts, top-2, hidden 256, weights hot), and a token's

@@ -35,6 +35,7 @@ class PositionRates:
     global_trials: np.ndarray = field(init=False)  # [max_positions]
     per_request: dict[str, np.ndarray] = field(init=False, default_factory=dict)  # id -> [2, max_positions]
     _observed: bool = field(init=False, default=False)  # this step brought evidence
+    version: int = field(init=False, default=0)  # bumped by every observation and decay: estimates may have moved
 
     def __post_init__(self) -> None:
         self.global_succ = np.zeros(self.max_positions)
@@ -53,11 +54,39 @@ class PositionRates:
             counts[0][:num_succeeded] += 1
             counts[1][:observed] += 1
         self._observed = True
+        self.version += 1
+
+    def observe_rows(self, request_ids: list[str], num_tried: list[int], num_succeeded: list[int]) -> None:
+        """observe() for every verified row of a step: the global counts in a few vector ops (a histogram of
+        successes and of positions tried), not two slice updates a row (~0.4 ms a step at batch 32)."""
+        tried = np.minimum(np.asarray(num_tried, dtype=np.int64), self.max_positions)
+        rows = np.flatnonzero(tried > 0)
+        if not rows.size:
+            return
+        tried = tried[rows]
+        succeeded = np.clip(np.asarray(num_succeeded, dtype=np.int64)[rows], 0, tried)
+        observed = np.minimum(succeeded + 1, tried)
+        width = self.max_positions + 1
+        # rows with at least j + 1 successes (positions tried) add one at position j: reversed cumulative histograms
+        self.global_succ += np.bincount(succeeded, minlength=width)[::-1].cumsum()[::-1][1:]
+        self.global_trials += np.bincount(observed, minlength=width)[::-1].cumsum()[::-1][1:]
+        decay = self.request_decay
+        for i, s, o in zip(rows.tolist(), succeeded.tolist(), observed.tolist(), strict=True):
+            own = self.per_request.get(request_ids[i])
+            if own is None:
+                own = self.per_request[request_ids[i]] = np.zeros((2, self.max_positions))
+            else:
+                own *= decay
+            own[0, :s] += 1
+            own[1, :o] += 1
+        self._observed = True
+        self.version += 1
 
     def end_step(self) -> None:
         if self._observed:
             self.global_succ *= self.decay
             self.global_trials *= self.decay
+            self.version += 1
         self._observed = False
 
     def global_estimate(self) -> np.ndarray:

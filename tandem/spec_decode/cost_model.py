@@ -144,6 +144,7 @@ class LinearCostModel:
     num_observations: int = 0
     # the last observation, when it was clipped: its weighted features and the seconds cut off
     _clipped: tuple[np.ndarray, float] | None = field(init=False, default=None)
+    _free: np.ndarray | None = field(init=False, default=None)  # [F] bool the last fit's unclamped terms
     gram: np.ndarray = field(init=False)  # [F, F] sum of w x x^T over served steps
     moment: np.ndarray = field(init=False)  # [F] sum of w x y over served steps
     prior_gram: np.ndarray = field(init=False)  # [F, F] and [F]: the same over calibration steps
@@ -212,21 +213,35 @@ class LinearCostModel:
         self._clipped = (weight * features, seconds - bound) if outlier else None
 
     def refit(self) -> None:
-        """Non-negative ridge least squares by an active set: solve on the free terms, drop the most negative."""
+        """Non-negative ridge least squares by an active set: solve on the free terms, drop the most negative; a
+        dropped term whose gradient says the fit improves as it grows rejoins (the KKT check). It starts from the
+        last fit's free terms: the data moves little between fits, so one solve usually settles it (starting from
+        every term, a drafter with 4 unused terms paid ~5 solves, ~0.45 ms, every 8th step)."""
         self.num_fits += 1
         self._fold()
         gram = self.gram + self.prior_scale * self.prior_gram
         moment = self.moment + self.prior_scale * self.prior_moment
-        free = np.ones(len(self.terms), dtype=bool)
-        reg = self.ridge * (np.diag(gram) + 1e-12)
-        coef = np.zeros(len(self.terms))
-        while free.any():
-            a = gram[np.ix_(free, free)] + np.diag(reg[free])
-            sol = np.linalg.solve(a, moment[free])
-            if (sol >= 0).all():
-                coef[free] = sol
+        n = len(self.terms)
+        a_full = gram + np.diag(self.ridge * (np.diag(gram) + 1e-12))
+        free = self._free.copy() if self._free is not None else np.ones(n, dtype=bool)
+        tol = 1e-9 * (float(np.abs(moment).max()) + 1e-30)
+        coef = np.zeros(n)
+        for _ in range(3 * n):  # bounded: a term can leave and rejoin, the set cannot cycle for long
+            coef = np.zeros(n)
+            if free.any():
+                idx = np.flatnonzero(free)
+                sol = np.linalg.solve(a_full[idx[:, None], idx], moment[idx])
+                if sol.min() < 0:
+                    free[idx[np.argmin(sol)]] = False
+                    continue
+                coef[idx] = sol
+            grad = moment - a_full @ coef  # -d(loss)/d(coef): > 0 where a larger coefficient fits better
+            grad[free] = 0.0
+            j = int(np.argmax(grad))
+            if grad[j] <= tol:
                 break
-            free[np.flatnonzero(free)[np.argmin(sol)]] = False
+            free[j] = True
+        self._free = free
         self.coef = coef
 
     @property

@@ -105,6 +105,11 @@ class SpecPolicy:
         self.last_seconds = np.zeros(max_k + 1)  # [K_max + 1] predicted seconds of the last decode step's choice
         self._priced: tuple[np.ndarray, np.ndarray] = (np.zeros(0), np.zeros(0))  # the last `expected`, its rows
         self._priced_key: tuple = ()
+        # could_pay's optimistic prices, reused while the rows, the fits and the acceptance estimates stay the same,
+        # for up to REPRICE_EVERY calls (it runs at every K = 0 step past explore_after: at batch 32, ~0.5 ms a step)
+        self._optimistic: tuple[np.ndarray, np.ndarray] = (np.zeros(0), np.zeros(0))
+        self._optimistic_key: tuple = ()
+        self._optimistic_age = 0
         self._priced_age = 0
         self._deferred: dict[str, int] = {}  # request -> tokens whose step 0 waits (costly_catch_up drafters)
 
@@ -191,7 +196,14 @@ class SpecPolicy:
     def could_pay(self, running: list[RunningRow], rate_k0: float) -> bool:
         """Whether some K >= 1 beats K = 0's rate by the switch margin at optimistic acceptance (EXPLORE_OPTIMISM;
         the drafter's fill rates as estimated): what an exploration could plausibly find."""
-        emitted, seconds = self.expected(running, optimism=EXPLORE_OPTIMISM)
+        key = (tuple((r.request_id, r.num_new_tokens > 1, r.num_tokens // 256) for r in running),
+               self.target.num_fits, self.draft.num_fits, self.accept.version, self.fill.version)
+        if key != self._optimistic_key or self._optimistic_age >= REPRICE_EVERY - 1:
+            self._optimistic = self.expected(running, optimism=EXPLORE_OPTIMISM)
+            self._optimistic_key, self._optimistic_age = key, 0
+        else:
+            self._optimistic_age += 1
+        emitted, seconds = self._optimistic[0], self._optimistic[1].copy()
         seconds[1:] += self._catch_up_s(running) / 2  # an exploration is two steps; the first pays the catch-up
         return bool((emitted[1:] / np.maximum(seconds[1:], 1e-9)).max() >= (1 + self.switch_margin) * rate_k0)
 
@@ -276,12 +288,12 @@ class SpecPolicy:
                     self._deferred[row.request_id] = (self._deferred.get(row.request_id, 0)
                                                       + len(output.sampled_token_ids[s]))
         if not calibration:
-            for s, row in enumerate(sampling_rows):
-                num_emitted = len(output.sampled_token_ids[s])
-                self.realised_emitted += num_emitted
-                self.accept.observe(row.request_id, row.num_draft_tokens, num_emitted - 1)
-                proposed = len(output.draft_token_ids[s]) if output.draft_token_ids else 0
-                self.fill.observe(row.request_id, plan.num_spec_tokens, proposed)
+            ids = [row.request_id for row in sampling_rows]
+            emitted = [len(output.sampled_token_ids[s]) for s in range(len(sampling_rows))]
+            self.realised_emitted += sum(emitted)
+            self.accept.observe_rows(ids, [row.num_draft_tokens for row in sampling_rows], [n - 1 for n in emitted])
+            proposed = [len(d) for d in output.draft_token_ids] if output.draft_token_ids else [0] * len(ids)
+            self.fill.observe_rows(ids, [plan.num_spec_tokens] * len(ids), proposed[: len(ids)])
             self.accept.end_step()
             self.fill.end_step()
             if self._pending_prediction is not None:

@@ -176,3 +176,38 @@ def test_entries_go_with_their_cache():
     key = id(kv_cache)
     del kv_cache, flat
     assert key not in expanded_prefix._entries
+
+
+@pytest.mark.parametrize("reads", ["torch", "native"])
+def test_a_prompt_chunk_behind_the_kept_prefix_reuses_it(monkeypatch, request, reads):
+    """A new request's prompt chunk whose keys start with the prefix the decode rows keep expanded (a prefix-cache hit
+    on the shared few-shot prompt) attends through that expansion, and gives the reference output."""
+    if reads == "native":
+        request.getfixturevalue("native_kernels")
+    else:
+        monkeypatch.setitem(native._state, "ok", False)
+    import tandem.attention.backends.paged_mla as mla_mod
+
+    q_lens, seq_lens = [1, 1, 40], [333, 341, 380]
+    table = _table(seq_lens, 20)  # all three rows behind the 320-key prefix
+    g = torch.Generator().manual_seed(3)
+    kv_cache = torch.randn(260, BLOCK, LORA + ROPE, generator=g)
+    up = _up()
+    decodes = _meta(q_lens[:2], seq_lens[:2], table[:2])
+    qd = torch.randn(2, HEADS, NOPE, generator=g), torch.randn(2, HEADS, ROPE, generator=g)
+    entries = torch.randn(2, LORA + ROPE, generator=g)
+    for _ in range(2):  # the decode rows' steps: the prefix is kept expanded from the second
+        PagedMLABackend.forward_mla(*qd, entries, kv_cache, decodes, SCALE, up)
+    assert expanded_prefix.peek(kv_cache, up, torch.float32) is not None
+    shared_args = []
+    real_long = mla_mod.long_row_attention
+    monkeypatch.setattr(mla_mod, "long_row_attention", lambda *a: shared_args.append(a[-1]) or real_long(*a))
+    meta = _meta(q_lens, seq_lens, table)
+    t = sum(q_lens)
+    q_nope, q_pe = torch.randn(t, HEADS, NOPE, generator=g), torch.randn(t, HEADS, ROPE, generator=g)
+    step_entries = torch.randn(t, LORA + ROPE, generator=g)
+    want = _reference(q_nope, q_pe, kv_cache.flatten(0, 1).index_copy(0, meta.write_slots, step_entries), table,
+                      q_lens, seq_lens, up)
+    got = PagedMLABackend.forward_mla(q_nope, q_pe, step_entries, kv_cache, meta, SCALE, up)
+    assert len(shared_args) == 1 and shared_args[0] is not None and shared_args[0][0].shape[0] == 320
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

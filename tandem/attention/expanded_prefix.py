@@ -12,7 +12,8 @@ The kept expansion is valid while the prefix's cache slots hold what they held w
 a paged MLA cache goes through the backend, which reports the slots it wrote (`note_writes`): a write into a kept
 prefix's slots (its blocks freed, evicted and reused by another request) drops it. A prefix is expanded on its
 second sighting in a row, so a prefix seen for one step only (rows that happen to meet once) is not expanded for
-nothing; a prefix that grows (more whole blocks shared) expands only its new keys, one that shrinks is a view.
+nothing; a prefix that grows (more whole blocks shared) expands only its new keys, one that shrinks is a view. A
+prompt chunk whose keys start with a kept prefix (a new request hitting the cached few-shot prompt) reuses it too.
 Bounded: at most MAX_BYTES a layer (DeepSeek-V3's 128 heads x (192 + 128) channels would be 160 KiB a key).
 """
 
@@ -41,6 +42,17 @@ class ExpandedPrefix:
     @property
     def num_keys(self) -> int:
         return self.slots.shape[0]
+
+    def reusable_by(self, row_slots: torch.Tensor) -> int:
+        """The number of a long row's first keys this expansion holds (its slots start with ours), else 0."""
+        n = self.num_keys
+        if row_slots.shape[0] < n or not torch.equal(row_slots[:n], self.slots):
+            return 0
+        return n
+
+    def as_shared(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys [P, H, nope + rope], values [P, H, v]): views in mla.long_row_attention's `shared` layout."""
+        return self.keys.transpose(0, 1), self.values[..., : self.v_dim].transpose(0, 1)
 
 
 @dataclass
@@ -81,6 +93,16 @@ def note_writes(kv_cache: torch.Tensor, write_slots: torch.Tensor) -> None:
     inside = write_slots[(write_slots >= lo) & (write_slots <= hi)]
     if inside.numel() and bool(torch.isin(inside, slots).any()):
         entry.prefix = None
+
+
+def peek(kv_cache: torch.Tensor, up: MLAUpProjection, dtype: torch.dtype) -> ExpandedPrefix | None:
+    """The layer's kept expansion as it stands (no sighting counted, nothing built), when it still matches the kv_b
+    weights and dtype: for prompt chunks whose keys start with it."""
+    entry = _entry(kv_cache, create=False)
+    kept = None if entry is None else entry.prefix
+    if kept is None or kept.keys.dtype != dtype or kept.weight != (up.kv_b().data_ptr(), up.kv_b()._version):
+        return None
+    return kept
 
 
 def lookup(kv_cache: torch.Tensor, cache_flat: torch.Tensor, shared: SharedPrefix, up: MLAUpProjection,

@@ -89,7 +89,16 @@ class PagedMLABackend(AttentionBackend):
                 out = expanded_prefix.merge_expanded_prefix(q_nope, q_pe, out, lse, meta.shared_prefix, kept, scale)
         shared, num_shared = None, 0
         num_sharing = sum(lr.shares_prefix for lr in meta.long_rows)
+        # a prompt chunk behind the prefix the short rows keep expanded (a new request's prefix-cache hit on a shared
+        # few-shot or system prompt) reuses that expansion: only its own keys are gathered and expanded
+        held = kept if kept is not None else expanded_prefix.peek(kv_cache, up, q_nope.dtype)
         for lr in meta.long_rows:
+            reused = 0 if held is None else held.reusable_by(lr.kv_slots)
+            if reused and prefers_expanded(lr.num_queries, lr.seq_len, up, q_pe.shape[-1], reused, 1 << 30):
+                assert held is not None
+                latent = gather_rows(cache_flat, lr.kv_slots[reused:]).to(q_nope.dtype)  # [S - P, L + R]
+                long_row_attention(q_nope, q_pe, latent, lr.pieces, scale, up, True, out, held.as_shared())
+                continue
             prefix = meta.long_prefix if lr.shares_prefix else None
             expanded = prefers_expanded(lr.num_queries, lr.seq_len, up, q_pe.shape[-1],
                                         0 if prefix is None else prefix.num_keys, num_sharing)

@@ -518,7 +518,9 @@ class _Restless(SpecPolicy):
     + 2, ..., + K_max in turn, mod K_max + 1), so that on tiny models (where one K may win throughout, and which one
     depends on the measured step times) every run still switches K: up, down and to 0. The first step is overruled
     too: the prompts that end in it propose drafts whatever the timings (n-gram's repetitive prompt then drafts at
-    once; left to the timings, a run under load could end without a single draft)."""
+    once; left to the timings, a run under load could end without a single draft). The step after an overruled
+    K > 0 drafts too (K = 1 where the policy chose 0), so those drafts are verified, not all dropped (a run on a
+    loaded machine chose 0 throughout and verified none: [1, 0, 0, 2, 0, 0, 3, ...])."""
 
     def __init__(self, max_k: int, **kwargs):
         super().__init__(max_k, explore_after=2, **kwargs)
@@ -528,6 +530,10 @@ class _Restless(SpecPolicy):
         k = super().choose(running, new_batch)
         if len(self.ks) % 3 == 0:
             k = (k + 1 + (len(self.ks) // 3) % self.max_k) % (self.max_k + 1)
+        elif len(self.ks) % 3 == 1 and self.ks[-1] > 0 and k == 0:
+            # the drafts a K > 0 step proposes are verified only by a next step that drafts too: where the timed
+            # choice stays at 0 (a loaded machine), a perturbed step alone would leave every draft dropped
+            k = 1
         self.ks.append(k)
         return k
 

@@ -19,6 +19,7 @@ Bounded: at most MAX_BYTES a layer (DeepSeek-V3's 128 heads x (192 + 128) channe
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 
@@ -42,6 +43,11 @@ class ExpandedPrefix:
     @property
     def num_keys(self) -> int:
         return self.slots.shape[0]
+
+    @functools.cached_property
+    def slot_range(self) -> tuple[int, int]:
+        """(lowest, highest) slot: note_writes's first test, computed once, not at every layer's write."""
+        return int(self.slots.min()), int(self.slots.max())
 
     def reusable_by(self, row_slots: torch.Tensor) -> int:
         """The number of a long row's first keys this expansion holds (its slots start with ours), else 0."""
@@ -88,10 +94,9 @@ def note_writes(kv_cache: torch.Tensor, write_slots: torch.Tensor) -> None:
     entry = _entry(kv_cache, create=False)
     if entry is None or entry.prefix is None or not write_slots.numel():
         return
-    slots = entry.prefix.slots
-    lo, hi = int(slots.min()), int(slots.max())  # one range test first: a step's writes are rarely near the prefix
+    lo, hi = entry.prefix.slot_range  # one range test first: a step's writes are rarely near the prefix
     inside = write_slots[(write_slots >= lo) & (write_slots <= hi)]
-    if inside.numel() and bool(torch.isin(inside, slots).any()):
+    if inside.numel() and bool(torch.isin(inside, entry.prefix.slots).any()):
         entry.prefix = None
 
 

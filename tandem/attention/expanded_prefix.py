@@ -27,7 +27,7 @@ import torch
 
 from tandem.attention.causal_rows import attention_with_lse, merge_attn_states
 from tandem.attention.metadata import SharedPrefix
-from tandem.attention.mla import MLAUpProjection
+from tandem.attention.mla import MLAUpProjection, expand_latents
 
 MAX_BYTES = 64 << 20  # per layer, keys and (padded) values together
 
@@ -138,10 +138,10 @@ def lookup(kv_cache: torch.Tensor, cache_flat: torch.Tensor, shared: SharedPrefi
             return None
     start = kept.num_keys if grows and kept is not None else 0
     latent = shared.keys(cache_flat)[start:].to(dtype)  # [P - start, L + rope]
-    kv = torch.matmul(latent[:, :lora], up.kv_b().t()).view(-1, heads, nope + up.w_uv.shape[1])  # [P', H, nope + v]
     v_dim = up.w_uv.shape[1]
-    keys = torch.cat((kv[..., :nope], latent[:, None, lora:].expand(-1, heads, -1)), dim=-1).transpose(0, 1)
-    values = torch.nn.functional.pad(kv[..., nope:], (0, width - v_dim)).transpose(0, 1)  # [H, P', width]
+    k, v = expand_latents(latent, up)  # [P', H, nope + rope], [P', H, v]
+    keys = k.transpose(0, 1)
+    values = torch.nn.functional.pad(v, (0, width - v_dim)).transpose(0, 1)  # [H, P', width]
     if grows and kept is not None:
         keys, values = torch.cat((kept.keys, keys), dim=1), torch.cat((kept.values, values), dim=1)
     entry.prefix = ExpandedPrefix(shared.slots, keys.contiguous(), values.contiguous(), v_dim, weight)

@@ -67,6 +67,16 @@ inline void block(const float* const* x, const float* const* w, int64_t k, float
   }
 }
 
+// block<> for mr = 1..4 rows of x, the tile's rows kWeightRows apart
+inline void block_rows(int64_t mr, const float* const* x, const float* const* w, int64_t k, float* tile) {
+  switch (mr) {
+    case 1: block<1>(x, w, k, tile, kWeightRows); break;
+    case 2: block<2>(x, w, k, tile, kWeightRows); break;
+    case 3: block<3>(x, w, k, tile, kWeightRows); break;
+    default: block<4>(x, w, k, tile, kWeightRows); break;
+  }
+}
+
 // x: [M, K] float32 (rows may be strided, K contiguous), M <= 16; weight: [N, K] float32 contiguous;
 // bias: [N] float32 or None. Returns a new [M, N].
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
@@ -105,12 +115,7 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10
         const int64_t mr = std::min<int64_t>(4, rows - m0);
         for (int64_t m = 0; m < 4; ++m) xr[m] = xp + (m0 + std::min<int64_t>(m, mr - 1)) * ldx;
         float* t = tile + m0 * kWeightRows;
-        switch (mr) {
-          case 1: block<1>(xr, w, k, t, kWeightRows); break;
-          case 2: block<2>(xr, w, k, t, kWeightRows); break;
-          case 3: block<3>(xr, w, k, t, kWeightRows); break;
-          default: block<4>(xr, w, k, t, kWeightRows); break;
-        }
+        block_rows(mr, xr, w, k, t);
       }
       for (int64_t m = 0; m < rows; ++m) {
         for (int64_t j = 0; j < width; ++j) {
@@ -150,12 +155,7 @@ void grouped_rows_gemm(const std::vector<const float*>& rows, const std::vector<
         const int64_t mr = std::min<int64_t>(4, first[e + 1] - p0);
         const float* xr[4];
         for (int64_t m = 0; m < 4; ++m) xr[m] = rows[p0 + std::min<int64_t>(m, mr - 1)];
-        switch (mr) {
-          case 1: block<1>(xr, w, k, tile, kWeightRows); break;
-          case 2: block<2>(xr, w, k, tile, kWeightRows); break;
-          case 3: block<3>(xr, w, k, tile, kWeightRows); break;
-          default: block<4>(xr, w, k, tile, kWeightRows); break;
-        }
+        block_rows(mr, xr, w, k, tile);
         for (int64_t m = 0; m < mr; ++m) {
           for (int64_t j = 0; j < width; ++j) out[(p0 + m) * n + n0 + j] = tile[m * kWeightRows + j];
         }

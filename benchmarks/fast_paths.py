@@ -3,7 +3,7 @@ alternating rounds (ABBA...), so the shared machine's drift hits both sides alik
 each side and whether the tokens are identical.
 
     python benchmarks/fast_paths.py --path cascade|dense-moe|bf16-small-mm|gqa-head-major|bf16-pack|native-kernels|
-        native-elementwise|small-gemm|ngram-search|native-moe|expanded-prefix
+        native-elementwise|bf16-elementwise|add-norm|small-gemm|ngram-search|native-moe|expanded-prefix
         [--model PATH] [--dtype float32] [--spec JSON] [--batch 32] [--reps 4] [--max-tokens 96] [--fresh]
         [--zero-shot] [--threads 1]
 
@@ -16,6 +16,10 @@ where the CPU has bf16 dot products; off is float32's rule (PACK_MIN_ELEMENTS, F
 `native-kernels`: every native CPU kernel (tandem/native, float32 models): short rows' paged attention, RMSNorm,
 silu(gate) * up, rotary; off is the PyTorch paths (padded gathers + SDPA, in-place views; the ops' formulas).
 `native-elementwise`: only the elementwise kernels (RMSNorm, silu(gate) * up, rotary), attention native both ways.
+`bf16-elementwise`: the elementwise kernels on bfloat16 activations too (native.ELEMENTWISE_DTYPES); off is float32
+only (a bf16 model's norms, SwiGLU and rotary through the PyTorch formulas).
+`add-norm`: a decoder layer's residual add and the norm after it as one native pass (RMSNorm.add_residual); off is
+the add, then the norm.
 `small-gemm`: linears of up to cpu_gemm.SMALL_ROWS rows (4 on packed weights) through the native small-row GEMM;
 off is F.linear / the packed oneDNN weight.
 `ngram-search`: n-gram lookup by str.rfind over the proposer's kept text of each history (spec_decode/ngram.py); off
@@ -51,6 +55,7 @@ from tandem.attention import expanded_prefix, metadata
 from tandem.attention.backends import prefix
 from tandem.bench.prompts import bench_prompts
 from tandem.layers import cpu_gemm, moe
+from tandem.layers.norm import RMSNorm
 from tandem.spec_decode import ngram
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -69,7 +74,12 @@ def switch(path: str, on: bool, saved: dict[str, Any]) -> None:
     elif path == "native-kernels":
         native.set_enabled(on)
     elif path == "native-elementwise":  # the layers ask native.serves before each elementwise kernel
-        native.serves = saved["serves"] if on else (lambda *args: False)  # type: ignore[assignment]
+        native.serves = saved["serves"] if on else (lambda *args, **kwargs: False)  # type: ignore[assignment]
+    elif path == "bf16-elementwise":
+        native.ELEMENTWISE_DTYPES = (torch.float32, torch.bfloat16) if on else (torch.float32,)
+    elif path == "add-norm":  # off: the two ops RMSNorm.add_residual fuses
+        RMSNorm.add_residual = saved["add_norm"] if on else (  # type: ignore[method-assign]
+            lambda self, x, residual: (self(residual + x), residual + x))
     elif path == "ngram-search":
         ngram.propose_ngram = saved["ngram"] if on else (  # type: ignore[assignment]
             lambda tokens, k, min_n, max_n, text=None: ngram._scan(tokens, k, min_n, max_n))
@@ -89,7 +99,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--path", required=True,
                    choices=["cascade", "dense-moe", "bf16-small-mm", "gqa-head-major", "bf16-pack", "native-kernels",
-                            "native-elementwise", "small-gemm", "ngram-search", "native-moe", "expanded-prefix"])
+                            "native-elementwise", "bf16-elementwise", "add-norm", "small-gemm", "ngram-search",
+                            "native-moe", "expanded-prefix"])
     p.add_argument("--model", default=str(DEFAULT_MODEL))
     p.add_argument("--spec", default=None, help="speculative_config as JSON")
     p.add_argument("--batch", type=int, default=32)
@@ -107,7 +118,7 @@ def main() -> None:
              "head_major": prefix.HEAD_MAJOR_DTYPES, "serves": native.serves,
              "small_rows": (cpu_gemm.SMALL_ROWS, cpu_gemm.SMALL_ROWS_PACKED), "ngram": ngram.propose_ngram,
              "bf16_dot": cpu_gemm._CPU_HAS_BF16_DOT, "expanded": expanded_prefix.MAX_BYTES,
-             "small_mm": prefix.small_matmul,
+             "small_mm": prefix.small_matmul, "add_norm": RMSNorm.add_residual,
              "packed": [(m, m.packed_weight) for m in model.modules() if hasattr(m, "packed_weight")]}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     runs = 2 * args.reps + 2 if args.fresh else 1

@@ -28,17 +28,23 @@ class ForwardContext:
     # new K/V of this rank -> the tensor whose rows attn_metadata.write_rows index (PCP all-gather)
     gather_kv: Callable[[torch.Tensor], torch.Tensor] = _identity
 
+    @property
+    def gathers_kv(self) -> bool:
+        """False when gather_kv is the identity (one rank, or no PCP step): a layer hands its own K/V as they are."""
+        return self.gather_kv is not _identity
+
 
 _CURRENT: ForwardContext | None = None
 
 
 @contextmanager
 def forward_context(meta: AttentionMetadata | ShardedAttentionMetadata, backends: dict[str, type[AttentionBackend]],
-                    gather_kv: Callable[[torch.Tensor], torch.Tensor] = _identity) -> Iterator[None]:
+                    gather_kv: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Iterator[None]:
+    """gather_kv: the PCP all-gather of the layers' new K/V, or None (one rank: nothing to gather)."""
     global _CURRENT
     if _CURRENT is not None:
         raise RuntimeError("forward_context is not nestable")
-    _CURRENT = ForwardContext(meta, backends, gather_kv)
+    _CURRENT = ForwardContext(meta, backends, gather_kv or _identity)
     try:
         yield
     finally:

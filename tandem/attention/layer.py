@@ -37,15 +37,17 @@ class Attention(nn.Module):
     def forward_eager(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         t = q.shape[0]
-        # one gather for K and V: under PCP every rank writes every rank's prefill K/V into its cache
-        kv = ctx.gather_kv(torch.cat((k, v), dim=-1)).view(-1, 2, self.num_kv_heads, self.head_dim)
+        if ctx.gathers_kv:  # one gather for K and V: under PCP every rank writes every rank's prefill K/V
+            kv = ctx.gather_kv(torch.cat((k, v), dim=-1)).view(-1, 2, self.num_kv_heads, self.head_dim)
+            k, v = kv[:, 0], kv[:, 1]
+        else:
+            k, v = k.reshape(t, self.num_kv_heads, self.head_dim), v.reshape(t, self.num_kv_heads, self.head_dim)
         meta, backend = ctx.attn_metadata, ctx.backends[self.kind]
         q = q.view(t, self.num_heads, self.head_dim)
         if isinstance(meta, ShardedAttentionMetadata):  # owner-sharded KV: every rank's queries over own keys
-            o, lse = backend.forward_sharded(meta.gather_queries(q), kv[:, 0], kv[:, 1], self.kv_cache, meta,
-                                             self.scale)
+            o, lse = backend.forward_sharded(meta.gather_queries(q), k, v, self.kv_cache, meta, self.scale)
             return meta.merge(o, lse).to(q.dtype).reshape(t, self.num_heads * self.head_dim)
-        out = backend.forward(q, kv[:, 0], kv[:, 1], self.kv_cache, meta, self.scale)
+        out = backend.forward(q, k, v, self.kv_cache, meta, self.scale)
         return out.reshape(t, self.num_heads * self.head_dim)
 
 

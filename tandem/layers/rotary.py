@@ -102,7 +102,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rotate the first `rotary_dim` dims of each x: [num_tokens, num_heads, head_dim]."""
-        if all(native.serves(x) and x.dim() == 3 for x in xs) and self.cos_cache.dtype == torch.float32:
+        if all(native.serves_elementwise(x) and x.dim() == 3 for x in xs) and self.cos_cache.dtype == torch.float32:
             # one pass a tensor instead of the gathers, slices, muls and cats below (tandem/native)
             return tuple(native.rotary(x, positions, self.cos_cache, self.sin_cache, self.rotary_dim,
                                        self.interleaved) for x in xs)

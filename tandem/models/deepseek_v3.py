@@ -121,8 +121,8 @@ class DeepseekV3DecoderLayer(nn.Module):
         return DeepseekV3Attention(config, tp)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        normed, x = self.post_attention_layernorm.add_residual(self.self_attn(positions, self.input_layernorm(x)), x)
+        return x + self.mlp(normed)
 
 
 class DeepseekV3Model(nn.Module):

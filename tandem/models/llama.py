@@ -77,8 +77,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        normed, x = self.post_attention_layernorm.add_residual(self.self_attn(positions, self.input_layernorm(x)), x)
+        return x + self.mlp(normed)
 
 
 class LlamaModel(nn.Module):

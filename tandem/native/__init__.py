@@ -4,7 +4,8 @@
   place through the block table. Plain PyTorch ops cannot read a paged cache in place: the fallback gathers every
   row's keys and values into a padded copy a layer (index_select), builds a mask, and calls SDPA, whose CPU kernel
   pays ~5 us of fixed work per (row, KV head) at decode sizes.
-- elementwise.cpp: RMSNorm, silu(gate) * up and rotary embedding, one pass and one dispatch each instead of 3-10
+- elementwise.cpp: RMSNorm (alone or with the residual add before it), silu(gate) * up and rotary embedding, in
+  float32 and bfloat16 (rounded where Hugging Face's bf16 ops round), one pass and one dispatch each instead of 3-10
   PyTorch ops (every one a ~5-15 us dispatch at decode sizes and a pass over memory at prompt sizes); and the
   greedy argmax over logits rows (torch's CPU argmax is a scalar loop: ~1.2 ms a step at [32, 49152]).
 - small_gemm.cpp: y = x W^T for up to 16 rows of x (decode, verification and draft passes at small batch), the
@@ -30,7 +31,8 @@ import torch
 log = logging.getLogger("tandem")
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "elementwise.cpp", "small_gemm.cpp")]
-_OPS = ("paged_attention", "rms_norm", "silu_and_mul", "rotary", "argmax_rows", "small_linear", "moe_experts")
+_OPS = ("paged_attention", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary", "argmax_rows", "small_linear",
+        "moe_experts")
 ISA_FLAGS = {"AVX2": ["-mavx2", "-mfma", "-mf16c"],
              "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"]}
 _lock = threading.Lock()
@@ -43,9 +45,11 @@ _state: dict[str, bool] = {}
 # and SmolLM2-135M's bf16 decode gains 1.17x (32 rows, benchmarks/fast_paths.py --path native-kernels). On the
 # tiny deepseek_v3 (MLA) checkpoint the difference flips a router's top-k and the tokens part far from HF's (a gap of
 # 0.43 at the first difference, the rule's tie is 0.03), so bf16 MLA keeps the PyTorch path, whose absorbed-MLA
-# matmuls round as HF's do. The elementwise kernels and the small-row GEMM serve float32 only (their callers check).
+# matmuls round as HF's do. The small-row GEMM serves float32 only (its callers check); the elementwise kernels serve
+# both dtypes (ELEMENTWISE_DTYPES), with Hugging Face's bf16 roundings.
 NATIVE_DTYPES = (torch.float32,)
 NATIVE_DTYPES_WITHOUT_MLA = (torch.float32, torch.bfloat16)
+ELEMENTWISE_DTYPES = (torch.float32, torch.bfloat16)
 _model: dict[str, object] = {"dtype": torch.float32, "mla": False}
 
 
@@ -98,31 +102,47 @@ def _built() -> bool:
     return all(hasattr(torch.ops.tandem_native, op) for op in _OPS)
 
 
-def serves(x: torch.Tensor, *params: torch.Tensor) -> bool:
-    """True when the elementwise kernels should compute on x: a float32 CPU tensor of an eager float32 model whose
-    kernels are loaded (inductor fuses these ops itself in compiled pieces), with no gradient to carry (the kernels
-    have no backward: training, tandem/train, runs the PyTorch formulas)."""
-    if x.dtype != torch.float32 or x.device.type != "cpu" or torch.compiler.is_compiling():
+def serves(x: torch.Tensor, *params: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
+    """True when a kernel should compute on x: a CPU tensor of one of `dtypes` (float32 unless the caller's kernel
+    takes more: ELEMENTWISE_DTYPES) in an eager model whose kernels serve its dtype and are loaded (inductor fuses
+    these ops itself in compiled pieces), with no gradient to carry (the kernels have no backward: training,
+    tandem/train, runs the PyTorch formulas)."""
+    if x.dtype not in dtypes or x.device.type != "cpu" or torch.compiler.is_compiling():
         return False
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
         return False
     return enabled()
 
 
+def serves_elementwise(x: torch.Tensor, *params: torch.Tensor) -> bool:
+    """serves() for the elementwise kernels (RMSNorm, SwiGLU, rotary): float32 or bfloat16."""
+    return serves(x, *params, dtypes=ELEMENTWISE_DTYPES)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [..., H] float32 (last dim contiguous) -> weight * x * rsqrt(mean(x^2) + eps), a new [..., H]."""
+    """x: [..., H] float32 or bfloat16 (last dim contiguous); weight: [H], x's dtype -> weight * x * rsqrt(mean(x^2)
+    + eps), a new [..., H] (bfloat16: the normed row rounded before the weight multiplies, as Hugging Face's)."""
     return torch.ops.tandem_native.rms_norm(x, weight, eps)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual: [T, H] (last dim contiguous) -> (rms_norm(x + residual), x + residual), both new [T, H]."""
+    out, summed = torch.ops.tandem_native.add_rms_norm(x, residual, weight, eps)
+    return out, summed
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up: [..., 2I] float32 ([gate | up]) -> silu(gate) * up, a new [..., I]."""
+    """gate_up: [..., 2I] float32 or bfloat16 ([gate | up]) -> silu(gate) * up, a new [..., I] (bfloat16: silu
+    rounded before the multiply, as F.silu(gate) * up)."""
     return torch.ops.tandem_native.silu_and_mul(gate_up)
 
 
 def rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
            interleaved: bool) -> torch.Tensor:
-    """x: [T, H, D] float32 (D contiguous); positions: [T] int64; cos, sin: [max_position, rotary_dim / 2] float32
-    -> a new [T, H, D] with each head's first rotary_dim dims rotated (neox halves or interleaved pairs)."""
+    """x: [T, H, D] float32 or bfloat16 (D contiguous); positions: [T] int64; cos, sin: [max_position, rotary_dim
+    / 2] float32 -> a new [T, H, D] with each head's first rotary_dim dims rotated (neox halves or interleaved pairs;
+    bfloat16: cos, sin and every product rounded, as the PyTorch formula on bf16 tensors)."""
     return torch.ops.tandem_native.rotary(x, positions, cos, sin, rotary_dim, interleaved)
 
 

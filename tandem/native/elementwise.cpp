@@ -1,13 +1,16 @@
-// The per-layer elementwise ops of an eager float32 step, one pass and one dispatch each: RMSNorm, SwiGLU's
-// silu(gate) * up, and rotary position embedding; and greedy sampling's argmax over the logits' rows. In PyTorch each is 3-10 ops (a norm: pow, mean, add, rsqrt, mul,
-// mul; rotary: two gathers, slices, four muls, a sub, an add, a cat), every one a ~5-15 us dispatch at decode sizes
-// and a full pass over memory at prompt sizes. vLLM's CPU backend has the same ops in C++ for the same reason.
+// The per-layer elementwise ops of an eager step, one pass and one dispatch each: RMSNorm (alone, or after the
+// residual add it follows), SwiGLU's silu(gate) * up, and rotary position embedding; and greedy sampling's argmax over
+// the logits' rows. In PyTorch each is 3-10 ops (a norm: pow, mean, add, rsqrt, mul, mul; rotary: two gathers, slices,
+// four muls, a sub, an add, a cat), every one a ~5-15 us dispatch at decode sizes and a full pass over memory at
+// prompt sizes. vLLM's CPU backend has the same ops in C++ for the same reason.
 //
-// All three read rows whose last dimension is contiguous (views such as q and k inside a fused qkv output are fine)
-// and write a new contiguous tensor. float32 only (the engine's float32 models; bfloat16 keeps the PyTorch path,
-// whose roundings match Hugging Face's bf16 ones). Roundings: rotary is the PyTorch formula's exact bits (products
-// rounded before the add, no FMA contraction); RMSNorm sums its squares in another order and silu uses its own exp,
-// so those two agree with PyTorch to a few float32 ulps.
+// They read rows whose last dimension is contiguous (views such as q and k inside a fused qkv output are fine) and
+// write new contiguous tensors, in float32 or bfloat16. Roundings: the bfloat16 kernels compute in float32 and round
+// to bfloat16 (to nearest even) exactly where Hugging Face's bfloat16 modules do, each PyTorch op rounding its result:
+// RMSNorm rounds the normalised row before the weight multiplies it, silu(gate) is rounded before the multiply by up,
+// rotary rounds cos, sin and each of its four products. Rotary and the residual add are the PyTorch formulas' exact
+// bits in both dtypes (products rounded before the add, no FMA contraction); RMSNorm sums its squares in another
+// order and silu uses its own exp, so those two agree with PyTorch to a few float32 ulps before any bf16 rounding.
 
 #include <torch/extension.h>
 
@@ -32,29 +35,97 @@ int64_t grain_rows(int64_t row_elements) {
   return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, row_elements));
 }
 
-inline f32x16 load16(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+
+// Vector and scalar loads and stores of a row's elements as float32: F32 as they lie, BF16 (uint16_t storage) widened
+// on load and rounded to nearest even on store; `round` rounds a float32 result to the element type's precision
+// (what a PyTorch op on that dtype does to each result).
+struct F32 {
+  using T = float;
+  static f32x16 load(const float* p) {
+    f32x16 v;
+    std::memcpy(&v, p, sizeof(v));
+    return v;
+  }
+  static void store(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
+  static f32x16 round(f32x16 v) { return v; }
+  static float load1(const float* p) { return *p; }
+  static void store1(float* p, float v) { *p = v; }
+  static float round1(float v) { return v; }
+};
+
+struct BF16 {
+  using T = uint16_t;
+  static f32x16 load(const uint16_t* p) {
+    u16x16 h;
+    std::memcpy(&h, p, sizeof(h));
+    const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+    f32x16 v;
+    std::memcpy(&v, &w, sizeof(v));
+    return v;
+  }
+  // float32 bits rounded to nearest even at bit 16; NaN stays a (quiet) NaN, as c10::BFloat16's conversion has it
+  static u32x16 rounded_bits(f32x16 v) {
+    u32x16 b;
+    std::memcpy(&b, &v, sizeof(b));
+    const u32x16 nan = reinterpret_cast<u32x16>(v != v);
+    b = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
+    return (b & ~nan) | (0x7FC00000u & nan);
+  }
+  static void store(uint16_t* p, f32x16 v) {
+    const u16x16 h = __builtin_convertvector(rounded_bits(v) >> 16, u16x16);
+    std::memcpy(p, &h, sizeof(h));
+  }
+  static f32x16 round(f32x16 v) {
+    const u32x16 b = rounded_bits(v);
+    f32x16 r;
+    std::memcpy(&r, &b, sizeof(r));
+    return r;
+  }
+  static float load1(const uint16_t* p) {
+    const uint32_t w = static_cast<uint32_t>(*p) << 16;
+    float v;
+    std::memcpy(&v, &w, sizeof(v));
+    return v;
+  }
+  static uint16_t bits1(float v) {
+    uint32_t b;
+    std::memcpy(&b, &v, sizeof(b));
+    if (v != v) return 0x7FC0;
+    return static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+  }
+  static void store1(uint16_t* p, float v) { *p = bits1(v); }
+  static float round1(float v) {
+    const uint32_t b = static_cast<uint32_t>(bits1(v)) << 16;
+    float r;
+    std::memcpy(&r, &b, sizeof(r));
+    return r;
+  }
+};
+
+// A row's tail (under 16 elements) through one zero-padded vector
+template <typename IO>
+inline f32x16 load_tail(const typename IO::T* p, int64_t n) {
+  typename IO::T buf[16] = {};
+  std::memcpy(buf, p, n * sizeof(buf[0]));
+  return IO::load(buf);
 }
 
-float sum_of_squares(const float* x, int64_t n) {
-  f32x16 acc = {};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    f32x16 v;
-    std::memcpy(&v, x + i, sizeof(v));
-    acc += v * v;
-  }
+template <typename IO>
+inline void store_tail(typename IO::T* p, f32x16 v, int64_t n) {
+  typename IO::T buf[16];
+  IO::store(buf, v);
+  std::memcpy(p, buf, n * sizeof(buf[0]));
+}
+
+inline float hsum(f32x16 acc) {
   const f32x8 h8 = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
                    __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
   const f32x4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
-  float sum = (h4[0] + h4[2]) + (h4[1] + h4[3]);
-  for (; i < n; ++i) sum += x[i] * x[i];
-  return sum;
+  return (h4[0] + h4[2]) + (h4[1] + h4[3]);
 }
-
-typedef int32_t i32x16 __attribute__((vector_size(64)));
 
 // exp(x) in float32 to ~1 ulp, 16 lanes: Cephes' expf (x = n ln2 + r with ln2 in two parts, a degree-6 polynomial
 // in r, times 2^n built in the exponent bits); n rounds to nearest by the 1.5 * 2^23 trick (|x log2 e| < 2^22).
@@ -80,53 +151,130 @@ inline f32x16 exp_f32x16(f32x16 x) {
   return y * scale;
 }
 
-// silu(g) * u over n lanes
-inline void silu_mul_row(const float* g, const float* u, float* o, int64_t n) {
+// silu(g) * u over n lanes; bfloat16 rounds silu(g) before the multiply, as F.silu(gate) * up does
+template <typename IO>
+inline void silu_mul_row(const typename IO::T* g, const typename IO::T* u, typename IO::T* o, int64_t n) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    f32x16 gv, uv;
-    std::memcpy(&gv, g + i, sizeof(gv));
-    std::memcpy(&uv, u + i, sizeof(uv));
-    const f32x16 out = gv / (1.0f + exp_f32x16(-gv)) * uv;
-    std::memcpy(o + i, &out, sizeof(out));
+    const f32x16 gv = IO::load(g + i);
+    IO::store(o + i, IO::round(gv / (1.0f + exp_f32x16(-gv))) * IO::load(u + i));
   }
-  if (i < n) {  // the tail through one padded vector
-    f32x16 gv = {}, uv = {};
-    std::memcpy(&gv, g + i, (n - i) * sizeof(float));
-    std::memcpy(&uv, u + i, (n - i) * sizeof(float));
-    const f32x16 out = gv / (1.0f + exp_f32x16(-gv)) * uv;
-    std::memcpy(o + i, &out, (n - i) * sizeof(float));
+  if (i < n) {
+    const f32x16 gv = load_tail<IO>(g + i, n - i);
+    store_tail<IO>(o + i, IO::round(gv / (1.0f + exp_f32x16(-gv))) * load_tail<IO>(u + i, n - i), n - i);
   }
 }
 
+// One row of RMSNorm: o = w * round(x * rsqrt(mean(x^2) + eps)), rounded (Hugging Face's RMSNorm: the normalised
+// row is cast back to the input's dtype before the weight multiplies it). With `res`, x is first replaced by
+// round(x + res), which is also written to `sum` (the residual stream after the add).
+template <typename IO>
+inline void rms_norm_row(const typename IO::T* x, const typename IO::T* res, typename IO::T* sum,
+                         const typename IO::T* w, typename IO::T* o, int64_t h, float eps) {
+  f32x16 acc = {};
+  int64_t i = 0;
+  for (; i + 16 <= h; i += 16) {
+    f32x16 v = IO::load(x + i);
+    if (res != nullptr) {
+      v = IO::round(v + IO::load(res + i));
+      IO::store(sum + i, v);
+    }
+    acc += v * v;
+  }
+  float total = hsum(acc);
+  for (; i < h; ++i) {
+    float v = IO::load1(x + i);
+    if (res != nullptr) {
+      v = IO::round1(v + IO::load1(res + i));
+      IO::store1(sum + i, v);
+    }
+    total += v * v;
+  }
+  const float inv = 1.0f / std::sqrt(total / static_cast<float>(h) + eps);
+  const typename IO::T* src = res != nullptr ? sum : x;
+  i = 0;
+  for (; i + 16 <= h; i += 16) IO::store(o + i, IO::load(w + i) * IO::round(IO::load(src + i) * inv));
+  for (; i < h; ++i) IO::store1(o + i, IO::load1(w + i) * IO::round1(IO::load1(src + i) * inv));
+}
+
+bool is_half_precision(const at::Tensor& x) { return x.scalar_type() == at::kBFloat16; }
+
 void check_rows(const at::Tensor& x, const char* name) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16), name,
+              " must be a float32 or bfloat16 CPU tensor");
   TORCH_CHECK(x.dim() >= 1 && (x.size(-1) <= 1 || x.stride(-1) == 1), name, "'s last dimension must be contiguous");
 }
 
-// x: [..., H] -> weight * (x * rsqrt(mean(x^2) + eps)), Hugging Face's RMSNorm in float32
+// Calls fn.template operator()<IO>() with the IO of x's dtype (float32 or bfloat16)
+template <typename Fn>
+void by_dtype(const at::Tensor& x, Fn&& fn) {
+  if (is_half_precision(x)) {
+    fn(BF16{});
+  } else {
+    fn(F32{});
+  }
+}
+
+template <typename IO>
+typename IO::T* ptr(const at::Tensor& t) {
+  return reinterpret_cast<typename IO::T*>(t.data_ptr());
+}
+
+void check_norm_weight(const at::Tensor& x, const at::Tensor& weight, int64_t h) {
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == h && weight.scalar_type() == x.scalar_type() &&
+                  weight.is_contiguous(), "weight must be ", x.scalar_type() == at::kFloat ? "float32" : "bfloat16",
+              " [", h, "] (x's dtype)");
+}
+
+// x: [..., H] -> weight * (x * rsqrt(mean(x^2) + eps)), Hugging Face's RMSNorm
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "x");
   const int64_t h = x.size(-1);
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == h && weight.scalar_type() == at::kFloat &&
-                  weight.is_contiguous(), "weight must be float32 [", h, "]");
+  check_norm_weight(x, weight, h);
   const at::Tensor rows = x.reshape({-1, h});  // a view where the leading dims allow it
   at::Tensor out = at::empty({rows.size(0), h}, x.options());
-  const float* src = rows.data_ptr<float>();
   const int64_t stride = rows.stride(0);
-  const float* w = weight.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  const float epsf = static_cast<float>(eps);
-  at::parallel_for(0, rows.size(0), grain_rows(h), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* xr = src + t * stride;
-      float* o = dst + t * h;
-      const float inv = 1.0f / std::sqrt(sum_of_squares(xr, h) / static_cast<float>(h) + epsf);
-#pragma omp simd
-      for (int64_t i = 0; i < h; ++i) o[i] = w[i] * (xr[i] * inv);
-    }
+  by_dtype(x, [&](auto io) {
+    using IO = decltype(io);
+    const auto* src = ptr<IO>(rows);
+    const auto* w = ptr<IO>(weight);
+    auto* dst = ptr<IO>(out);
+    at::parallel_for(0, rows.size(0), grain_rows(h), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        rms_norm_row<IO>(src + t * stride, nullptr, nullptr, w, dst + t * h, h, static_cast<float>(eps));
+      }
+    });
   });
   return out.view(x.sizes());
+}
+
+// x, residual: [T, H] -> (RMSNorm(x + residual), x + residual): a decoder layer's residual add and the norm after
+// it in one pass over the rows (vLLM's fused_add_rms_norm, but out of place: both results are new tensors)
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  check_rows(residual, "residual");
+  TORCH_CHECK(x.dim() == 2 && residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
+              "x and residual must be [tokens, hidden] of one dtype, got ", x.sizes(), " and ", residual.sizes());
+  const int64_t h = x.size(1), t_count = x.size(0);
+  check_norm_weight(x, weight, h);
+  at::Tensor out = at::empty({t_count, h}, x.options());
+  at::Tensor sum = at::empty({t_count, h}, x.options());
+  by_dtype(x, [&](auto io) {
+    using IO = decltype(io);
+    const auto* xs = ptr<IO>(x);
+    const auto* rs = ptr<IO>(residual);
+    const auto* w = ptr<IO>(weight);
+    auto* o = ptr<IO>(out);
+    auto* s = ptr<IO>(sum);
+    const int64_t x_stride = x.stride(0), r_stride = residual.stride(0);
+    at::parallel_for(0, t_count, grain_rows(h), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        rms_norm_row<IO>(xs + t * x_stride, rs + t * r_stride, s + t * h, w, o + t * h, h, static_cast<float>(eps));
+      }
+    });
+  });
+  return {out, sum};
 }
 
 // gate_up: [..., 2I] ([gate | up]) -> [..., I] = silu(gate) * up
@@ -137,15 +285,17 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   const int64_t inner = two_i / 2;
   const at::Tensor rows = gate_up.reshape({-1, two_i});
   at::Tensor out = at::empty({rows.size(0), inner}, gate_up.options());
-  const float* src = rows.data_ptr<float>();
   const int64_t stride = rows.stride(0);
-  float* dst = out.data_ptr<float>();
-  at::parallel_for(0, rows.size(0), grain_rows(two_i), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* g = src + t * stride;
-      const float* u = g + inner;
-      silu_mul_row(g, u, dst + t * inner, inner);
-    }
+  by_dtype(gate_up, [&](auto io) {
+    using IO = decltype(io);
+    const auto* src = ptr<IO>(rows);
+    auto* dst = ptr<IO>(out);
+    at::parallel_for(0, rows.size(0), grain_rows(two_i), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const auto* g = src + t * stride;
+        silu_mul_row<IO>(g, g + inner, dst + t * inner, inner);
+      }
+    });
   });
   std::vector<int64_t> sizes = gate_up.sizes().vec();
   sizes.back() = inner;
@@ -157,6 +307,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 // greedy step's [32, 49152] logits take ~0.1 ms instead of torch's ~1.2 ms (a scalar loop on one thread).
 at::Tensor argmax_rows(const at::Tensor& x) {
   check_rows(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32 logits");
   TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "x must be [rows, V] with V > 0, got ", x.sizes());
   const int64_t rows = x.size(0), v = x.size(1), stride = x.stride(0);
   at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
@@ -169,7 +320,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
       i32x16 nan = {};
       int64_t i = 0;
       for (; i + 16 <= v; i += 16) {
-        const f32x16 e = load16(xr + i);
+        const f32x16 e = F32::load(xr + i);
         nan |= e != e;
         mx = e > mx ? e : mx;
       }
@@ -198,6 +349,36 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")  // PyTorch's muls round before its sub/add: no fused multiply-adds here
 
+// One head's rotation: the first R dims by the angles whose cos and sin (float32 tables, rounded to the element type
+// first, as Hugging Face casts them to the activations' dtype) are c and s; each product rounded before the sub/add
+template <typename IO>
+inline void rotate_head(const typename IO::T* xr, typename IO::T* o, const float* c, const float* s, int64_t half,
+                        int64_t rotary_dim, int64_t d, bool interleaved) {
+  if (interleaved) {
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = IO::load1(xr + 2 * i), x2 = IO::load1(xr + 2 * i + 1);
+      const float ci = IO::round1(c[i]), si = IO::round1(s[i]);
+      IO::store1(o + 2 * i, IO::round1(x1 * ci) - IO::round1(x2 * si));
+      IO::store1(o + 2 * i + 1, IO::round1(x2 * ci) + IO::round1(x1 * si));
+    }
+  } else {
+    int64_t i = 0;
+    for (; i + 16 <= half; i += 16) {
+      const f32x16 x1 = IO::load(xr + i), x2 = IO::load(xr + i + half);
+      const f32x16 ci = IO::round(F32::load(c + i)), si = IO::round(F32::load(s + i));
+      IO::store(o + i, IO::round(x1 * ci) - IO::round(x2 * si));
+      IO::store(o + i + half, IO::round(x2 * ci) + IO::round(x1 * si));
+    }
+    for (; i < half; ++i) {
+      const float x1 = IO::load1(xr + i), x2 = IO::load1(xr + i + half);
+      const float ci = IO::round1(c[i]), si = IO::round1(s[i]);
+      IO::store1(o + i, IO::round1(x1 * ci) - IO::round1(x2 * si));
+      IO::store1(o + i + half, IO::round1(x2 * ci) + IO::round1(x1 * si));
+    }
+  }
+  if (d > rotary_dim) std::memcpy(o + rotary_dim, xr + rotary_dim, (d - rotary_dim) * sizeof(xr[0]));
+}
+
 // x: [T, H, D] (rows and heads may be strided, D contiguous); positions: [T] int64; cos, sin: [P, R / 2] float32.
 // Returns a new [T, H, D]: the first R dims of each head rotated by the angle of its token's position (neox halves,
 // or interleaved GPT-J pairs), the rest copied.
@@ -222,37 +403,21 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& positions, const at::Te
                 max_position, ")");
   }
   at::Tensor out = at::empty({t_count, heads, d}, x.options());
-  const float* src = x.data_ptr<float>();
   const int64_t st = x.stride(0), sh = x.stride(1);
   const float* cos_p = cos.data_ptr<float>();
   const float* sin_p = sin.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  at::parallel_for(0, t_count, grain_rows(heads * d), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* c = cos_p + p[t] * half;
-      const float* s = sin_p + p[t] * half;
-      for (int64_t h = 0; h < heads; ++h) {
-        const float* xr = src + t * st + h * sh;
-        float* o = dst + (t * heads + h) * d;
-        if (interleaved) {
-          for (int64_t i = 0; i < half; ++i) {
-            const float x1 = xr[2 * i], x2 = xr[2 * i + 1];
-            const float a = x1 * c[i], b = x2 * s[i], e = x2 * c[i], f = x1 * s[i];
-            o[2 * i] = a - b;
-            o[2 * i + 1] = e + f;
-          }
-        } else {
-#pragma omp simd
-          for (int64_t i = 0; i < half; ++i) {
-            const float x1 = xr[i], x2 = xr[i + half];
-            const float a = x1 * c[i], b = x2 * s[i], e = x2 * c[i], f = x1 * s[i];
-            o[i] = a - b;
-            o[i + half] = e + f;
-          }
+  by_dtype(x, [&](auto io) {
+    using IO = decltype(io);
+    const auto* src = ptr<IO>(x);
+    auto* dst = ptr<IO>(out);
+    at::parallel_for(0, t_count, grain_rows(heads * d), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        for (int64_t h = 0; h < heads; ++h) {
+          rotate_head<IO>(src + t * st + h * sh, dst + (t * heads + h) * d, cos_p + p[t] * half,
+                          sin_p + p[t] * half, half, rotary_dim, d, interleaved);
         }
-        for (int64_t i = rotary_dim; i < d; ++i) o[i] = xr[i];
       }
-    }
+    });
   });
   return out;
 }
@@ -263,11 +428,13 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& positions, const at::Te
 
 namespace tandem_native {
 // silu(g) * u over n lanes, for the routed experts' kernel (small_gemm.cpp): one formula for both
-void silu_mul(const float* g, const float* u, float* o, int64_t n) { silu_mul_row(g, u, o, n); }
+void silu_mul(const float* g, const float* u, float* o, int64_t n) { silu_mul_row<F32>(g, u, o, n); }
 }  // namespace tandem_native
 
 TORCH_LIBRARY_FRAGMENT(tandem_native, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.impl("add_rms_norm", torch::kCPU, &add_rms_norm);
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("rotary(Tensor x, Tensor positions, Tensor cos, Tensor sin, int rotary_dim, bool interleaved) -> Tensor");
   m.impl("rms_norm", torch::kCPU, &rms_norm);

@@ -145,7 +145,7 @@ class MTPProposer:
         """Draft step 0 on the rank-local segments, reusing the target's local metadata and PCP buffers;
         the caller gathers the sampling rows of the [T_r, H] outputs in global order."""
         local, pcp = step.local, step.pcp
-        with forward_context(local.attn_metadata, self.backends, pcp.gather_kv):
+        with forward_context(local.attn_metadata, self.backends, pcp.kv_gather()):
             return self.mtp(pcp.localize(shifted), local.positions, step.hidden_local, 0)  # [T_r, H] each
 
     def _shifted_ids(self, plan: StepPlan, batch: InputBatch,

@@ -70,6 +70,11 @@ class PCPHooks:
         """[T_r, ...] this rank's new K/V -> every rank's, in the layout attn_metadata.write_rows index."""
         return x
 
+    def kv_gather(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """What forward_context's gather_kv takes: gather_kv, or None where it is the identity (one rank), so the
+        attention layers hand their K/V to the backend as they lie instead of packing them for a gather."""
+        return None
+
     def maybe_restore(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T_r, H] local hidden states -> [T_global(+padding), H] in global order."""
         return hidden
@@ -130,6 +135,9 @@ class PartitionedPCPHooks(PCPHooks):
     def gather_kv(self, x: torch.Tensor) -> torch.Tensor:
         assert self.part is not None
         return self.all_gather(pad_local(x, self.part))
+
+    def kv_gather(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        return self.gather_kv
 
     def maybe_restore(self, hidden: torch.Tensor) -> torch.Tensor:
         assert self.part is not None

@@ -29,8 +29,26 @@ from tandem.attention.sharded_kv import ShardedAttentionMetadata
 
 def write_kv(cache_flat: torch.Tensor, new: torch.Tensor, meta: AttentionMetadata | ShardedAttentionMetadata) -> None:
     # cache_flat: [num_slots, ...]; new: [num_tokens, ...]
-    if meta.write_rows.numel():
-        cache_flat[meta.write_slots] = new[meta.write_rows].to(cache_flat.dtype)
+    if not meta.write_rows.numel():
+        return
+    # a step writes all its rows in order (one rank, no padding): new's leading rows as they lie, not a gathered copy
+    leading = write_rows_leading(meta)
+    rows = new[:leading] if leading is not None else new[meta.write_rows]
+    cache_flat.index_copy_(0, meta.write_slots, rows.to(cache_flat.dtype))
+
+
+def write_rows_leading(meta: AttentionMetadata | ShardedAttentionMetadata) -> int | None:
+    """n when meta.write_rows is 0, 1, ..., n - 1 (checked once per metadata, on the CPU only: a device tensor would
+    need a sync), else None."""
+    cached = meta.__dict__.get("_write_rows_leading", ())
+    if cached != () and cached[0] is meta.write_rows:
+        return cached[1]
+    rows, leading = meta.write_rows, None
+    if rows.device.type == "cpu" and rows.numel() and int(rows[0]) == 0 and int(rows[-1]) == rows.numel() - 1 \
+            and (rows.numel() < 2 or bool((rows[1:] > rows[:-1]).all())):
+        leading = rows.numel()
+    meta.__dict__["_write_rows_leading"] = (rows, leading)
+    return leading
 
 
 def prefix_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor | None, meta: AttentionMetadata,

@@ -26,7 +26,6 @@ namespace {
 
 constexpr int64_t kMaxChunk = 512;  // keys a task scores at most
 constexpr int64_t kMinChunk = 64;   // ... and at least, unless the row has fewer
-constexpr int64_t kPrefetch = 4;    // keys ahead whose cache rows are prefetched
 constexpr int64_t kWideKey = 128;  // key widths above it score keys-outer (L1 reuse across queries)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -282,14 +281,13 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     // per thread, reused across calls (sized by the largest call seen), read through plain pointers: a
     // thread_local looked up in the loops would cost a TLS call per access in a shared library
-    thread_local std::vector<float> tl_qf, tl_kbuf, tl_scores, tl_m, tl_l, tl_acc;
+    thread_local std::vector<float> tl_qf, tl_kf, tl_vf, tl_scores, tl_m, tl_l, tl_acc;
     thread_local std::vector<int64_t> tl_width, tl_koff, tl_voff;
     auto grow = [](auto& vec, int64_t size) {
       if (static_cast<int64_t>(vec.size()) < size) vec.resize(size);
       return vec.data();
     };
     float* qf = grow(tl_qf, qrows * dk);
-    float* kbuf = grow(tl_kbuf, std::max(dk, dv));
     float* scores = grow(tl_scores, qrows * chunk);
     float* m_buf = grow(tl_m, qrows);
     float* l_buf = grow(tl_l, qrows);
@@ -323,84 +321,92 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
           width = std::max(width, w);
         }
       }
-      int64_t* koff = grow(tl_koff, chunk);  // each key's slot as an element offset into k and into v
+      int64_t* koff = grow(tl_koff, chunk);  // each key's slot as an element offset into kbase and into vbase
       int64_t* voff = grow(tl_voff, chunk);
-      for (int64_t s = 0; s < width; ++s) {
-        const int64_t p = lo + s;
-        const int64_t slot = static_cast<int64_t>(blocks[p / block_size]) * block_size + p % block_size;
-        koff[s] = slot * k_slot;
-        voff[s] = slot * v_slot;
-      }
+      // The chunk's keys and values as float32: a float32 cache read in place; another dtype's (bfloat16) converted
+      // once a task into per-thread buffers [width, Hkv, D], so both run the same blocked scoring and weighting
+      // (converting a key per (key, head) and scoring it query by query cost bf16 1.6x float32's time a prompt)
+      const float* kbase;
+      const float* vbase;
+      int64_t kh, vh;
       if constexpr (std::is_same_v<T, float>) {
-        // float32 caches are read in place, each query scoring four keys at a time. Wide keys (MLA's 576-wide
-        // latents, whose chunk does not fit L1) go four keys at a time past every query of their KV head instead,
-        // so those four stay in L1 (measured: 794 -> 659 us, 4 queries x 4 heads x 900 latents; narrow GQA heads
-        // measured slower that way, 300 -> 415 us at 32 rows x 130 keys, one thread)
-        if (dk <= kWideKey) {
-          for (int64_t g = 0; g < hkv; ++g) {
-            const float* kg = kp + g * k_head;
-            for (int64_t j = g * r * n; j < (g + 1) * r * n; ++j) {
-              const float* qj = qf + j * dk;
-              float* sj = scores + j * chunk;
-              const int64_t w = width_of[j];
-              int64_t s = 0;
-              for (; s + 4 <= w; s += 4) {
-                dot4(qj, kg + koff[s], kg + koff[s + 1], kg + koff[s + 2], kg + koff[s + 3], dk, sj + s);
-                for (int64_t e = 0; e < 4; ++e) sj[s + e] *= fscale;
-              }
-              for (; s < w; ++s) sj[s] = dot(qj, kg + koff[s], dk) * fscale;
-            }
-          }
-        } else {
-          for (int64_t g = 0; g < hkv; ++g) {
-            const float* kg = kp + g * k_head;
-            const int64_t j0 = g * r * n, j1 = (g + 1) * r * n;
-            int64_t wg = 0;
-            for (int64_t j = j0; j < j1; ++j) wg = std::max(wg, width_of[j]);
-            for (int64_t s = 0; s < wg; s += 4) {
-              const float* k0 = kg + koff[s];
-              const float* k1 = s + 1 < wg ? kg + koff[s + 1] : k0;
-              const float* k2 = s + 2 < wg ? kg + koff[s + 2] : k0;
-              const float* k3 = s + 3 < wg ? kg + koff[s + 3] : k0;
-              int64_t j = j0;
-              if constexpr (kBlock4x4) {  // four queries at a time where all four see these four keys
-                for (; j + 4 <= j1 && s + 4 <= std::min({width_of[j], width_of[j + 1], width_of[j + 2],
-                                                          width_of[j + 3]}); j += 4) {
-                  float* sj = scores + j * chunk + s;
-                  dot4x4(qf + j * dk, dk, k0, k1, k2, k3, dk, sj, chunk);
-                  for (int64_t r = 0; r < 4; ++r) {
-                    for (int64_t e = 0; e < 4; ++e) sj[r * chunk + e] *= fscale;
-                  }
-                }
-              }
-              for (; j < j1; ++j) {
-                const float* qj = qf + j * dk;
-                float* sj = scores + j * chunk;
-                const int64_t w = width_of[j];
-                if (s + 4 <= w) {
-                  dot4(qj, k0, k1, k2, k3, dk, sj + s);
-                  for (int64_t e = 0; e < 4; ++e) sj[s + e] *= fscale;
-                } else {
-                  for (int64_t e = s; e < w; ++e) sj[e] = dot(qj, kg + koff[e], dk) * fscale;
-                }
-              }
-            }
-          }
-        }
-      } else {
+        kbase = kp, vbase = vp, kh = k_head, vh = v_head;
         for (int64_t s = 0; s < width; ++s) {
           const int64_t p = lo + s;
           const int64_t slot = static_cast<int64_t>(blocks[p / block_size]) * block_size + p % block_size;
-          if (s + kPrefetch < width) {  // the cache rows a few keys ahead: their slots are known, their loads are not
-            const int64_t ahead = p + kPrefetch;
-            const char* next = reinterpret_cast<const char*>(
-                kp + (static_cast<int64_t>(blocks[ahead / block_size]) * block_size + ahead % block_size) * k_slot);
-            for (int64_t b = 0; b < hkv * k_head * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(next + b);
-          }
+          koff[s] = slot * k_slot;
+          voff[s] = slot * v_slot;
+        }
+      } else {
+        float* kf = grow(tl_kf, width * hkv * dk);
+        float* vf = grow(tl_vf, width * hkv * dv);
+        for (int64_t s = 0; s < width; ++s) {
+          const int64_t p = lo + s;
+          const int64_t slot = static_cast<int64_t>(blocks[p / block_size]) * block_size + p % block_size;
           for (int64_t g = 0; g < hkv; ++g) {
-            const float* key = as_float(kp + slot * k_slot + g * k_head, kbuf, dk);
-            for (int64_t j = g * r * n; j < (g + 1) * r * n; ++j) {
-              if (s < width_of[j]) scores[j * chunk + s] = dot(qf + j * dk, key, dk) * fscale;
+            float* kd = kf + (s * hkv + g) * dk;
+            float* vd = vf + (s * hkv + g) * dv;
+            const float* ks = as_float(kp + slot * k_slot + g * k_head, kd, dk);
+            if (ks != kd) std::memcpy(kd, ks, dk * sizeof(float));
+            const float* vs = as_float(vp + slot * v_slot + g * v_head, vd, dv);
+            if (vs != vd) std::memcpy(vd, vs, dv * sizeof(float));
+          }
+          koff[s] = s * hkv * dk;
+          voff[s] = s * hkv * dv;
+        }
+        kbase = kf, vbase = vf, kh = dk, vh = dv;
+      }
+      // Each query scores four keys at a time. Wide keys (MLA's 576-wide
+      // latents, whose chunk does not fit L1) go four keys at a time past every query of their KV head instead,
+      // so those four stay in L1 (measured: 794 -> 659 us, 4 queries x 4 heads x 900 latents; narrow GQA heads
+      // measured slower that way, 300 -> 415 us at 32 rows x 130 keys, one thread)
+      if (dk <= kWideKey) {
+        for (int64_t g = 0; g < hkv; ++g) {
+          const float* kg = kbase + g * kh;
+          for (int64_t j = g * r * n; j < (g + 1) * r * n; ++j) {
+            const float* qj = qf + j * dk;
+            float* sj = scores + j * chunk;
+            const int64_t w = width_of[j];
+            int64_t s = 0;
+            for (; s + 4 <= w; s += 4) {
+              dot4(qj, kg + koff[s], kg + koff[s + 1], kg + koff[s + 2], kg + koff[s + 3], dk, sj + s);
+              for (int64_t e = 0; e < 4; ++e) sj[s + e] *= fscale;
+            }
+            for (; s < w; ++s) sj[s] = dot(qj, kg + koff[s], dk) * fscale;
+          }
+        }
+      } else {
+        for (int64_t g = 0; g < hkv; ++g) {
+          const float* kg = kbase + g * kh;
+          const int64_t j0 = g * r * n, j1 = (g + 1) * r * n;
+          int64_t wg = 0;
+          for (int64_t j = j0; j < j1; ++j) wg = std::max(wg, width_of[j]);
+          for (int64_t s = 0; s < wg; s += 4) {
+            const float* k0 = kg + koff[s];
+            const float* k1 = s + 1 < wg ? kg + koff[s + 1] : k0;
+            const float* k2 = s + 2 < wg ? kg + koff[s + 2] : k0;
+            const float* k3 = s + 3 < wg ? kg + koff[s + 3] : k0;
+            int64_t j = j0;
+            if constexpr (kBlock4x4) {  // four queries at a time where all four see these four keys
+              for (; j + 4 <= j1 && s + 4 <= std::min({width_of[j], width_of[j + 1], width_of[j + 2],
+                                                        width_of[j + 3]}); j += 4) {
+                float* sj = scores + j * chunk + s;
+                dot4x4(qf + j * dk, dk, k0, k1, k2, k3, dk, sj, chunk);
+                for (int64_t r = 0; r < 4; ++r) {
+                  for (int64_t e = 0; e < 4; ++e) sj[r * chunk + e] *= fscale;
+                }
+              }
+            }
+            for (; j < j1; ++j) {
+              const float* qj = qf + j * dk;
+              float* sj = scores + j * chunk;
+              const int64_t w = width_of[j];
+              if (s + 4 <= w) {
+                dot4(qj, k0, k1, k2, k3, dk, sj + s);
+                for (int64_t e = 0; e < 4; ++e) sj[s + e] *= fscale;
+              } else {
+                for (int64_t e = s; e < w; ++e) sj[e] = dot(qj, kg + koff[e], dk) * fscale;
+              }
             }
           }
         }
@@ -414,45 +420,32 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
         m[j] = mx;
         l[j] = exp_sum(sj, w, mx);
       }
-      if constexpr (std::is_same_v<T, float>) {
-        // 64 output channels at a time, every query of the KV head in turn: the keys' values for those channels
-        // stay in L1 across the queries
-        for (int64_t g = 0; g < hkv; ++g) {
-          const int64_t j0 = g * r * n, j1 = (g + 1) * r * n;
-          // queries taken four at a time (wide values, avx512): zero each one's probabilities up to the widest of
-          // its four, which then all run that many keys
-          const int64_t quads = kBlock4x4 && dk > kWideKey && dv >= 64 ? (j1 - j0) / 4 : 0;
-          for (int64_t qd = 0; qd < quads; ++qd) {
-            const int64_t j = j0 + 4 * qd;
-            const int64_t wmax = std::max({width_of[j], width_of[j + 1], width_of[j + 2], width_of[j + 3]});
-            for (int64_t e = 0; e < 4; ++e) std::fill(scores + (j + e) * chunk + width_of[j + e],
-                                                      scores + (j + e) * chunk + wmax, 0.f);
-          }
-          for (int64_t d = 0; d < dv;) {
-            const int64_t cols = dv - d >= 64 ? 64 : (dv - d >= 16 ? 16 : dv - d);
-            int64_t j = j0;
-            if (cols == 64) {
-              for (int64_t qd = 0; qd < quads; ++qd, j += 4) {
-                const int64_t wmax = std::max({width_of[j], width_of[j + 1], width_of[j + 2], width_of[j + 3]});
-                weighted_cols4(scores + j * chunk, chunk, vp + g * v_head, voff, wmax, d, acc + j * dv, dv);
-              }
-            }
-            for (; j < j1; ++j) {
-              weighted_cols(scores + j * chunk, vp + g * v_head, voff, width_of[j], d, cols, acc + j * dv);
-            }
-            d += cols;
-          }
+      // 64 output channels at a time, every query of the KV head in turn: the keys' values for those channels
+      // stay in L1 across the queries
+      for (int64_t g = 0; g < hkv; ++g) {
+        const int64_t j0 = g * r * n, j1 = (g + 1) * r * n;
+        // queries taken four at a time (wide values, avx512): zero each one's probabilities up to the widest of
+        // its four, which then all run that many keys
+        const int64_t quads = kBlock4x4 && dk > kWideKey && dv >= 64 ? (j1 - j0) / 4 : 0;
+        for (int64_t qd = 0; qd < quads; ++qd) {
+          const int64_t j = j0 + 4 * qd;
+          const int64_t wmax = std::max({width_of[j], width_of[j + 1], width_of[j + 2], width_of[j + 3]});
+          for (int64_t e = 0; e < 4; ++e) std::fill(scores + (j + e) * chunk + width_of[j + e],
+                                                    scores + (j + e) * chunk + wmax, 0.f);
         }
-      } else {
-        for (int64_t s = 0; s < width; ++s) {
-          const int64_t p = lo + s;
-          const int64_t slot = static_cast<int64_t>(blocks[p / block_size]) * block_size + p % block_size;
-          for (int64_t g = 0; g < hkv; ++g) {
-            const float* value = as_float(vp + slot * v_slot + g * v_head, kbuf, dv);
-            for (int64_t j = g * r * n; j < (g + 1) * r * n; ++j) {
-              if (s < width_of[j]) axpy(scores[j * chunk + s], value, acc + j * dv, dv);
+        for (int64_t d = 0; d < dv;) {
+          const int64_t cols = dv - d >= 64 ? 64 : (dv - d >= 16 ? 16 : dv - d);
+          int64_t j = j0;
+          if (cols == 64) {
+            for (int64_t qd = 0; qd < quads; ++qd, j += 4) {
+              const int64_t wmax = std::max({width_of[j], width_of[j + 1], width_of[j + 2], width_of[j + 3]});
+              weighted_cols4(scores + j * chunk, chunk, vbase + g * vh, voff, wmax, d, acc + j * dv, dv);
             }
           }
+          for (; j < j1; ++j) {
+            weighted_cols(scores + j * chunk, vbase + g * vh, voff, width_of[j], d, cols, acc + j * dv);
+          }
+          d += cols;
         }
       }
       if (split) continue;  // merged below

@@ -26,6 +26,7 @@ namespace {
 
 constexpr int64_t kMaxChunk = 512;  // keys a task scores at most
 constexpr int64_t kMinChunk = 64;   // ... and at least, unless the row has fewer
+constexpr int64_t kPrefetchBytes = 256 << 10;  // a task's keys and values prefetched up front, at most
 constexpr int64_t kWideKey = 128;  // key widths above it score keys-outer (L1 reuse across queries)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -336,6 +337,24 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
           const int64_t slot = static_cast<int64_t>(blocks[p / block_size]) * block_size + p % block_size;
           koff[s] = slot * k_slot;
           voff[s] = slot * v_slot;
+        }
+        // Narrow heads: every cache line of the chunk's keys and values asked for up front (the hardware then
+        // fetches them in parallel while the first keys are scored), rather than met one stride at a time: a
+        // decode step's KV reads come from DRAM, ~120 KB a row at SmolLM2's shapes, well inside L2 (bounded by
+        // kPrefetchBytes so a long chunk does not evict its own first keys). Measured against the kernel without it
+        // in one process (32 decode rows x 96 keys, 30 layers' caches in turn, alternating), seven runs: 1.00-1.21x,
+        // median 1.09x (e.g. 425 -> 389 us a call), identical outputs
+        const int64_t k_bytes = ((hkv - 1) * k_head + dk) * static_cast<int64_t>(sizeof(float));
+        const int64_t v_bytes = ((hkv - 1) * v_head + dv) * static_cast<int64_t>(sizeof(float));
+        if (dk <= kWideKey && width * (k_bytes + v_bytes) <= kPrefetchBytes) {
+          for (int64_t s = 0; s < width; ++s) {
+            const char* kr = reinterpret_cast<const char*>(kp + koff[s]);
+            for (int64_t b = 0; b < k_bytes; b += 64) __builtin_prefetch(kr + b);
+          }
+          for (int64_t s = 0; s < width; ++s) {
+            const char* vr = reinterpret_cast<const char*>(vp + voff[s]);
+            for (int64_t b = 0; b < v_bytes; b += 64) __builtin_prefetch(vr + b);
+          }
         }
       } else {
         float* kf = grow(tl_kf, width * hkv * dk);

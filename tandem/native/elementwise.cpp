@@ -17,6 +17,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -61,48 +62,26 @@ struct BF16 {
   static f32x16 load(const uint16_t* p) {
     u16x16 h;
     std::memcpy(&h, p, sizeof(h));
-    const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
-    f32x16 v;
-    std::memcpy(&v, &w, sizeof(v));
-    return v;
+    return std::bit_cast<f32x16>(__builtin_convertvector(h, u32x16) << 16);
   }
   // float32 bits rounded to nearest even at bit 16; NaN stays a (quiet) NaN, as c10::BFloat16's conversion has it
   static u32x16 rounded_bits(f32x16 v) {
-    u32x16 b;
-    std::memcpy(&b, &v, sizeof(b));
-    const u32x16 nan = reinterpret_cast<u32x16>(v != v);
-    b = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
-    return (b & ~nan) | (0x7FC00000u & nan);
+    const u32x16 b = std::bit_cast<u32x16>(v);
+    const u32x16 nan = std::bit_cast<u32x16>(v != v);
+    return (((b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u) & ~nan) | (0x7FC00000u & nan);
   }
   static void store(uint16_t* p, f32x16 v) {
     const u16x16 h = __builtin_convertvector(rounded_bits(v) >> 16, u16x16);
     std::memcpy(p, &h, sizeof(h));
   }
-  static f32x16 round(f32x16 v) {
-    const u32x16 b = rounded_bits(v);
-    f32x16 r;
-    std::memcpy(&r, &b, sizeof(r));
-    return r;
-  }
-  static float load1(const uint16_t* p) {
-    const uint32_t w = static_cast<uint32_t>(*p) << 16;
-    float v;
-    std::memcpy(&v, &w, sizeof(v));
-    return v;
-  }
+  static f32x16 round(f32x16 v) { return std::bit_cast<f32x16>(rounded_bits(v)); }
+  static float load1(const uint16_t* p) { return std::bit_cast<float>(static_cast<uint32_t>(*p) << 16); }
   static uint16_t bits1(float v) {
-    uint32_t b;
-    std::memcpy(&b, &v, sizeof(b));
-    if (v != v) return 0x7FC0;
-    return static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+    const uint32_t b = std::bit_cast<uint32_t>(v);
+    return v != v ? 0x7FC0 : static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
   }
   static void store1(uint16_t* p, float v) { *p = bits1(v); }
-  static float round1(float v) {
-    const uint32_t b = static_cast<uint32_t>(bits1(v)) << 16;
-    float r;
-    std::memcpy(&r, &b, sizeof(r));
-    return r;
-  }
+  static float round1(float v) { return std::bit_cast<float>(static_cast<uint32_t>(bits1(v)) << 16); }
 };
 
 // A row's tail (under 16 elements) through one zero-padded vector

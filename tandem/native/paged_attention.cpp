@@ -330,13 +330,15 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
       const float* kbase;
       const float* vbase;
       int64_t kh, vh;
+      auto slot_of = [&](int64_t s) {
+        const int64_t p = lo + s;
+        return static_cast<int64_t>(blocks[p / block_size]) * block_size + p % block_size;
+      };
       if constexpr (std::is_same_v<T, float>) {
         kbase = kp, vbase = vp, kh = k_head, vh = v_head;
         for (int64_t s = 0; s < width; ++s) {
-          const int64_t p = lo + s;
-          const int64_t slot = static_cast<int64_t>(blocks[p / block_size]) * block_size + p % block_size;
-          koff[s] = slot * k_slot;
-          voff[s] = slot * v_slot;
+          koff[s] = slot_of(s) * k_slot;
+          voff[s] = slot_of(s) * v_slot;
         }
         // Narrow heads: every cache line of the chunk's keys and values asked for up front (the hardware then
         // fetches them in parallel while the first keys are scored), rather than met one stride at a time: a
@@ -349,10 +351,8 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
         if (dk <= kWideKey && width * (k_bytes + v_bytes) <= kPrefetchBytes) {
           for (int64_t s = 0; s < width; ++s) {
             const char* kr = reinterpret_cast<const char*>(kp + koff[s]);
-            for (int64_t b = 0; b < k_bytes; b += 64) __builtin_prefetch(kr + b);
-          }
-          for (int64_t s = 0; s < width; ++s) {
             const char* vr = reinterpret_cast<const char*>(vp + voff[s]);
+            for (int64_t b = 0; b < k_bytes; b += 64) __builtin_prefetch(kr + b);
             for (int64_t b = 0; b < v_bytes; b += 64) __builtin_prefetch(vr + b);
           }
         }
@@ -360,15 +360,10 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
         float* kf = grow(tl_kf, width * hkv * dk);
         float* vf = grow(tl_vf, width * hkv * dv);
         for (int64_t s = 0; s < width; ++s) {
-          const int64_t p = lo + s;
-          const int64_t slot = static_cast<int64_t>(blocks[p / block_size]) * block_size + p % block_size;
-          for (int64_t g = 0; g < hkv; ++g) {
-            float* kd = kf + (s * hkv + g) * dk;
-            float* vd = vf + (s * hkv + g) * dv;
-            const float* ks = as_float(kp + slot * k_slot + g * k_head, kd, dk);
-            if (ks != kd) std::memcpy(kd, ks, dk * sizeof(float));
-            const float* vs = as_float(vp + slot * v_slot + g * v_head, vd, dv);
-            if (vs != vd) std::memcpy(vd, vs, dv * sizeof(float));
+          const int64_t slot = slot_of(s);
+          for (int64_t g = 0; g < hkv; ++g) {  // as_float converts into the buffer it is given
+            as_float(kp + slot * k_slot + g * k_head, kf + (s * hkv + g) * dk, dk);
+            as_float(vp + slot * v_slot + g * v_head, vf + (s * hkv + g) * dv, dv);
           }
           koff[s] = s * hkv * dk;
           voff[s] = s * hkv * dv;

@@ -1,7 +1,7 @@
 """The native small-row GEMM (tandem/native/small_gemm.cpp) and its routing in cpu_gemm.linear: float32 results to
 rounding against a float64 reference, odd shapes (weight rows not a multiple of 4, K not a multiple of 16), strided
 rows, bias, a row's result independent of the batch it runs in, bad inputs refused, and the layers' rule (few rows
-native, more rows and compiled / bf16 / autograd callers on the PyTorch path)."""
+native, in compiled pieces too; more rows and bf16 / autograd callers on the PyTorch path)."""
 
 from __future__ import annotations
 
@@ -96,3 +96,31 @@ def test_cpu_gemm_routes_few_rows_native_and_the_rest_to_pytorch(monkeypatch: py
     cpu_gemm.linear(torch.randn(2, 64, requires_grad=True), w, None, None)
     cpu_gemm.linear(torch.randn(2, 96), w.t(), None, None)
     assert calls == []
+
+
+def test_compiled_pieces_call_the_small_row_gemm() -> None:
+    """Inside torch.compile the same rule holds: few rows run the native kernel (an opaque op between inductor's
+    kernels, with the same bits as eagerly), more rows run inductor's own GEMM; a weight that eager mode would pack
+    goes native only up to SMALL_ROWS_PACKED rows."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gen = torch.Generator().manual_seed(4)
+    w_small, w_big = torch.randn(96, 64, generator=gen), torch.randn(1024, 256, generator=gen)
+    assert w_small.numel() < cpu_gemm.PACK_MIN_ELEMENTS <= w_big.numel()
+
+    def layer(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.relu(cpu_gemm.linear(x, w, None, None)) * 2
+
+    compiled = torch.compile(layer, dynamic=True)
+    for w, limit in ((w_small, cpu_gemm.SMALL_ROWS), (w_big, cpu_gemm.SMALL_ROWS_PACKED)):
+        for rows in (1, 2, limit, limit + 1, 40):
+            x = torch.randn(rows, w.shape[1], generator=gen)
+            compiled(x, w)  # compile outside the profile
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                got = compiled(x, w)
+            native_calls = sum(e.count for e in prof.key_averages() if e.key == "tandem_native::small_linear")
+            assert native_calls == (1 if rows <= limit else 0), (tuple(w.shape), rows)
+            if rows <= limit:  # the kernel's bits, as eagerly
+                assert torch.equal(got, torch.relu(native.small_linear(x, w, None)) * 2)
+            else:
+                torch.testing.assert_close(got, layer(x, w), rtol=1e-4, atol=1e-4)

@@ -54,10 +54,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None) -> torch.Tensor:
     """x: [..., K]; weight: [N, K] -> [..., N]. `packed`: the weight in oneDNN's layout (prepack), or None."""
     rows = x.numel() // max(x.shape[-1], 1)
-    if rows <= (SMALL_ROWS if packed is None else SMALL_ROWS_PACKED) and weight.numel() <= SMALL_MAX_ELEMENTS \
-            and weight.is_contiguous() and native.serves(x, weight):
+    compiling = torch.compiler.is_compiling()
+    # compiled pieces: inductor's freezing packs what eager mode would have packed (prepack_linears packs only the
+    # LM head there), so the same row limits apply; the guard on rows splits the compiled graphs at those limits
+    packs = packed is not None or (compiling and weight.numel() >= PACK_MIN_ELEMENTS)
+    if rows <= (SMALL_ROWS_PACKED if packs else SMALL_ROWS) and weight.numel() <= SMALL_MAX_ELEMENTS \
+            and weight.is_contiguous() and native.serves_gemm(x, weight):
         return native.small_linear(x.reshape(rows, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
-    if packed is None or torch.compiler.is_compiling():  # the compiler packs (freezing) what it compiles
+    if packed is None or compiling:  # the compiler packs (freezing) what it compiles
         return F.linear(x, weight, bias)
     if x.numel() == x.shape[-1] and weight.numel() < ANY_ROWS_ELEMENTS and not _native_bf16(weight.dtype):  # a gemv
         return F.linear(x, weight, bias)

@@ -17,6 +17,7 @@ from tandem import native
 from tandem.compilation import opaque_ops
 from tandem.distributed.groups import SINGLE, Group
 from tandem.layers.activation import silu_and_mul
+from tandem.layers.cpu_gemm import linear
 from tandem.layers.linear import default_weight_loader, new_param, shard_tensor
 
 _EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -84,7 +85,9 @@ class MoEGate(nn.Module):
                                         else None)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight)  # [T, E]
+        # [T, E]; through cpu_gemm.linear like every projection: a compiled piece otherwise packs this [E, H] weight
+        # for oneDNN, whose ~50 us dispatch a call is most of a decode step's router
+        logits = linear(x.float(), self.weight, None, None)
         scores = logits.sigmoid() if self.scoring_func == "sigmoid" else logits.softmax(dim=-1)
         choice = scores
         if self.e_score_correction_bias is not None:

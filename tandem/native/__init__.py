@@ -99,7 +99,22 @@ def _load() -> bool:
 
 
 def _built() -> bool:
-    return all(hasattr(torch.ops.tandem_native, op) for op in _OPS)
+    if not all(hasattr(torch.ops.tandem_native, op) for op in _OPS):
+        return False
+    _register_fakes()
+    return True
+
+
+def _register_fakes() -> None:
+    """Shapes of the ops that compiled pieces call (torch.compile traces with fake tensors): the small-row GEMM
+    runs inside them, where inductor's frozen oneDNN linears cost ~50 us a call at a few rows."""
+    if _state.get("fakes"):
+        return
+    _state["fakes"] = True
+
+    @torch.library.register_fake("tandem_native::small_linear")
+    def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return x.new_empty(x.shape[0], weight.shape[0])
 
 
 def serves(x: torch.Tensor, *params: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
@@ -110,6 +125,16 @@ def serves(x: torch.Tensor, *params: torch.Tensor, dtypes: tuple[torch.dtype, ..
     if x.dtype not in dtypes or x.device.type != "cpu" or torch.compiler.is_compiling():
         return False
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
+        return False
+    return enabled()
+
+
+def serves_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """serves() for the small-row GEMM, which compiled pieces call too (an opaque op between inductor's fused
+    kernels; the elementwise ops are inductor's to fuse): float32 CPU, no gradient, the kernels loaded."""
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return False
     return enabled()
 

@@ -5,6 +5,7 @@ drafts equal a plain re-computation; dynamic K follows its schedule; accepted dr
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 
 import pytest
@@ -157,12 +158,39 @@ def _mtp_reference(path: Path):
     return draft
 
 
+def _with_distinct_mtp_copies(path: Path, dest: Path) -> Path:
+    """A copy of the checkpoint whose MTP layer's embedding and shared head differ from the trunk's (released
+    checkpoints save exact copies, which the engine shares; a checkpoint whose copies were trained apart must keep
+    its own)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(path, dest)
+    (file,) = dest.glob("*.safetensors")
+    tensors = load_file(str(file))
+    layer = json.loads((dest / "config.json").read_text())["num_hidden_layers"]
+    g = torch.Generator().manual_seed(5)
+    for name in ("embed_tokens.weight", "shared_head.head.weight"):
+        t = tensors[f"model.layers.{layer}.{name}"]
+        tensors[f"model.layers.{layer}.{name}"] = t + 0.5 * t.std() * torch.randn(t.shape, generator=g, dtype=t.dtype)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    return dest
+
+
+@pytest.mark.parametrize("copies", ["exact", "distinct"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_mtp_drafts_equal_plain_recomputation_every_step(tiny_checkpoints, arch, monkeypatch):
+def test_mtp_drafts_equal_plain_recomputation_every_step(tiny_checkpoints, arch, copies, monkeypatch, tmp_path):
     path = tiny_checkpoints(arch, num_mtp_layers=1)
+    if copies == "distinct":
+        path = _with_distinct_mtp_copies(path, tmp_path / "distinct")
     # 44 and 63 tokens exceed the 32-token budget: steps that only prefill must keep the MTP cache current
     prompts = [_prompts()[i] for i in (0, 1, 9, 12)]
     llm = LLM(str(path), **ENGINE, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    model = llm.engine.executor.runner.model
+    shared = (model.mtp.layers[0].embed_tokens is model.model.embed_tokens,
+              model.mtp.layers[0].shared_head.head is model.lm_head)
+    assert shared == ((True, True) if copies == "exact" else (False, False))
     steps = record_steps(llm, monkeypatch)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=8,
                         ignore_eos=True), use_tqdm=False)

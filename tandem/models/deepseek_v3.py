@@ -5,6 +5,7 @@ The decoder layer, MoE block and causal-LM class here are reused by Glm4Moe with
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -21,6 +22,8 @@ from tandem.layers.rotary import RotaryEmbedding, rope_params, yarn_softmax_scal
 from tandem.models.llama import GatedMLP
 from tandem.models.loader import packed_weight_target
 from tandem.models.mtp import DeepSeekMTP, mtp_weight_name
+
+logger = logging.getLogger("tandem")
 
 # DeepSeek's reference (and HF) build q_a_layernorm / kv_a_layernorm with the RMSNorm default eps,
 # not rms_norm_eps; GLM-4.7-Flash inherits that in HF.
@@ -162,6 +165,14 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.num_mtp_layers = getattr(hf, "num_nextn_predict_layers", 0) or 0
         self.mtp = (DeepSeekMTP(config, groups, self.num_mtp_layers, self.block_cls)
                     if with_mtp and self.num_mtp_layers else None)
+
+    def post_load(self) -> None:
+        """After the weights are in: MTP layers share the trunk's embedding and LM head where they are copies."""
+        if self.mtp is not None:
+            freed = self.mtp.share_trunk_copies(self.model.embed_tokens, self.lm_head)
+            if freed:
+                logger.info("MTP layers share the trunk's embedding / LM head (exact copies): %.1f MiB freed",
+                            freed / 2**20)
 
     def is_moe_layer(self, hf: Any, index: int) -> bool:
         # GLM-4.7-Flash as saved by transformers lists `mlp_layer_types`; released configs use

@@ -95,6 +95,9 @@ def build_model(config: ModelConfig, groups: ParallelGroups, device: str = "cpu"
                 f"{config.get('num_nextn_predict_layers')}), which it lacks: missing "
                 f"{', '.join(mtp_missing[:20])}", e.missing) from e
         raise
+    post_load = getattr(model, "post_load", None)
+    if post_load is not None:  # a model's own step once its weights are in (sharing copies, ...)
+        post_load()
     return model.eval()
 
 

@@ -81,6 +81,24 @@ class DeepSeekMTP(nn.Module):
         feedback hidden [T, H] before it)."""
         return self.layers[spec_step_idx % len(self.layers)](input_ids, positions, target_hidden)
 
+    def share_trunk_copies(self, embed: VocabParallelEmbedding, lm_head: ParallelLMHead) -> int:
+        """Point each layer's embedding and shared head at the trunk's where the checkpoint's copies are the same
+        values (DeepSeek-V3 and GLM releases save them as exact copies; vLLM's MTP drafter shares the target's too):
+        the copies' memory is freed and a draft pass reads the weights the target pass just read. A layer whose
+        copy differs keeps its own. -> bytes freed."""
+        freed = 0
+        for layer in self.layers:
+            for name, trunk in (("embed_tokens", embed), ("shared_head.head", lm_head)):
+                owner = layer.shared_head if name.startswith("shared_head") else layer
+                attr = name.rsplit(".", 1)[-1]
+                own = getattr(owner, attr)
+                if own is trunk or own.weight.shape != trunk.weight.shape or own.weight.dtype != trunk.weight.dtype \
+                        or not torch.equal(own.weight, trunk.weight):
+                    continue
+                freed += own.weight.numel() * own.weight.element_size()
+                setattr(owner, attr, trunk)
+        return freed
+
     def compute_logits(self, hidden: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
         # hidden: [num_rows, H] after shared_head.norm -> float32 logits [num_rows, vocab]
         return self.layers[spec_step_idx % len(self.layers)].shared_head.head.compute_logits(hidden)

@@ -3,6 +3,8 @@ rule, reproduces `sample()` with no drafts, and is lossless (emitted tokens are 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -275,3 +277,24 @@ def _assert_matches(what: str, counts: np.ndarray, expected: np.ndarray) -> None
     obs, exp = (obs, exp) if exp[-1] > 0 else (obs[:-1], exp[:-1])
     _, pvalue = chisquare(obs, exp * obs.sum() / exp.sum())
     assert pvalue > 1e-3, f"{what}: chi-square p={pvalue:.2e}; counts {obs} vs expected {exp.round(1)}"
+
+
+def test_all_greedy_host_path_equals_the_tensor_path():
+    """An all-greedy batch is matched on host lists (_greedy_prefix_match); the same batch flagged not all-greedy
+    (every temperature still 0) runs the tensor index math: both must emit the same tokens, K_i = 0 included."""
+    gen = torch.Generator().manual_seed(11)
+    accepted = rejected = 0
+    for _ in range(60):
+        num_reqs = int(torch.randint(1, 9, (1,), generator=gen))
+        k = torch.randint(0, 5, (num_reqs,), generator=gen).tolist()
+        vocab = 6  # few tokens: drafts often equal the argmax
+        target_logits = torch.randn(sum(k) + num_reqs, vocab, generator=gen)
+        draft_token_ids = torch.randint(0, vocab, (sum(k),), generator=gen)
+        args = ([0.0] * num_reqs, [0] * num_reqs, [1.0] * num_reqs, [0.0] * num_reqs, list(range(num_reqs)),
+                [10 * i for i in range(num_reqs)])
+        fast = rejection_sample(target_logits, draft_token_ids, None, k, _meta(*args))
+        tensor_meta = dataclasses.replace(_meta(*args), all_greedy=False)
+        assert fast == rejection_sample(target_logits, draft_token_ids, None, k, tensor_meta), (k, draft_token_ids)
+        accepted += sum(fast[1])
+        rejected += sum(n < ki for n, ki in zip(fast[1], k, strict=True))
+    assert accepted > 30 and rejected > 30, (accepted, rejected)

@@ -106,8 +106,10 @@ class MTPProposer:
         num_rows = len(last_idx)
         # a sharded drafter's own KV is sharded like the target's: its decodes attend over owned keys too
         kv_shard = step.pcp if self.sharded and isinstance(step.pcp, ShardedKVPCPHooks) else None
-        decode = DraftDecodeMetadata(plan, batch, self.block_size, self.max_model_len, max_seq_len, kv_shard)
+        decode = DraftDecodeMetadata(plan, batch, self.block_size, self.max_model_len, max_seq_len,
+                                     kv_shard) if k > 1 else None
         for i in range(1, k):
+            assert decode is not None
             step_pos = positions + i
             ids, pos, fb = self._pad_decode(drafts[-1], step_pos.clamp(max=self.max_model_len - 1), feedback)
             with forward_context(decode.at(step_pos), self.backends):
@@ -153,14 +155,16 @@ class MTPProposer:
         qsl = batch.query_start_loc_np
         shifted = torch.roll(batch.input_ids, -1)  # [T]; each row's last slot is fixed below
         shifted[batch.num_tokens - batch.num_padding:] = 0  # padding stays id 0
-        for i, row in enumerate(plan.rows):
-            if row.next_token_id is not None:
-                shifted[int(qsl[i + 1]) - 1] = row.next_token_id
+        # the slots to fix and their ids (a later fix of a slot wins), written in one indexed assignment
+        fixes = {int(qsl[i + 1]) - 1: row.next_token_id for i, row in enumerate(plan.rows)
+                 if row.next_token_id is not None}
         last_idx = []
         for s, i in enumerate(batch.sample_rows):
             idx = int(qsl[i + 1]) - 1 - batch.num_draft_tokens[s] + len(emitted[s]) - 1  # last valid token of row i
-            shifted[idx] = emitted[s][-1]
+            fixes[idx] = emitted[s][-1]
             last_idx.append(idx)
+        if fixes:
+            shifted[torch.tensor(list(fixes))] = torch.tensor(list(fixes.values()), dtype=shifted.dtype)
         return shifted, last_idx
 
 

@@ -37,6 +37,9 @@ def rejection_sample(
     d0 -> r0, d1 -> r1, d2 -> r4. Row r of request i sits at position positions[i] + r - target_start[i].
     """
     _check_shapes(target_logits, draft_token_ids, draft_probs, num_draft_tokens, meta)
+    if meta.all_greedy:
+        return _greedy_prefix_match(native.greedy_tokens(target_logits).tolist(), draft_token_ids.tolist(),
+                                    num_draft_tokens)
     device, vocab = target_logits.device, target_logits.shape[-1]
     num_reqs, num_drafts = len(num_draft_tokens), draft_token_ids.shape[0]
     num_draft = torch.tensor(num_draft_tokens, dtype=torch.int64, device=device)  # [R]
@@ -69,6 +72,22 @@ def rejection_sample(
     drafts, counts, finals = draft_token_ids.tolist(), num_accepted.tolist(), final.tolist()
     starts = draft_start.tolist()
     emitted = [drafts[s:s + n] + [t] for s, n, t in zip(starts, counts, finals, strict=True)]
+    return emitted, counts
+
+
+def _greedy_prefix_match(argmax: list[int], drafts: list[int],
+                         num_draft_tokens: list[int]) -> tuple[list[list[int]], list[int]]:
+    """The greedy rule on host lists (rejection_sample's index math, without a tensor op a request): request i's
+    drafts are accepted while each equals the target's argmax at its row; it then emits the argmax after them."""
+    emitted, counts = [], []
+    d = t = 0  # request i's first draft and first target row
+    for k in num_draft_tokens:
+        n = 0
+        while n < k and drafts[d + n] == argmax[t + n]:
+            n += 1
+        emitted.append(drafts[d:d + n] + [argmax[t + n]])
+        counts.append(n)
+        d, t = d + k, t + k + 1
     return emitted, counts
 
 

@@ -246,16 +246,23 @@ class SpecPolicy:
         read = sum(r.num_tokens for r in running) - (
             dup if len(decode) == len(running) else duplicate_keys(((r.block_ids, r.num_tokens) for r in running),
                                                                    self.block_size))
-        seconds = np.empty(self.max_k + 1)
-        for k in range(self.max_k + 1):
-            shape = StepShape(len(running), round(prompt_tokens + len(decode) + drafts[:, k].sum()),
-                              prompt_keys + float((1 + drafts[:, k]) @ context), len(decode), int(context.sum()) - dup,
-                              verifying if k else 0.0, verifying_context if k else 0.0, float(emitted[:, k].sum()),
-                              read + float(drafts[:, k].sum()), float(context.sum()))
-            draft = self.draft.predict(shape.draft_features(k, k > 0 or long_prompt or not self.defers_step0,
-                                                            self.first_reads_shared_once))
-            seconds[k] = self.target.predict(shape.target_features()) + draft
-        return emitted.sum(axis=0), seconds
+        # every K at once: the rows of StepShape.target_features and .draft_features for K = 0..K_max as two small
+        # matrices, priced by one product each (a StepShape and two feature vectors per K cost ~0.1 ms a call)
+        drafting = np.arange(self.max_k + 1) > 0  # [K_max + 1]
+        draft_tokens = drafts.sum(axis=0)  # [K_max + 1]
+        num_emitted = emitted.sum(axis=0)
+        tokens = np.round(prompt_tokens + len(decode) + draft_tokens)  # whole tokens, as StepShape counts them
+        keys = prompt_keys + (1.0 + drafts).T @ context
+        ones = np.ones(self.max_k + 1)
+        target = np.array((ones, len(running) * ones, tokens, keys, verifying * drafting, verifying_context * drafting,
+                           num_emitted, read + draft_tokens)).T
+        step0 = drafting | (long_prompt or not self.defers_step0)  # K = 0 defers step 0 where the drafter can
+        decodes = np.maximum(np.arange(self.max_k + 1) - 1, 0)
+        sampling, per_row = len(decode), float(context.sum())
+        first_context = int(context.sum()) - dup if self.first_reads_shared_once else per_row
+        draft = np.array((step0 * ones, tokens * step0, keys * step0, drafting * ones, sampling * drafting,
+                          first_context * drafting, decodes * ones, sampling * decodes, per_row * decodes)).T
+        return num_emitted, target @ self.target.coef + draft @ self.draft.coef
 
     def _commit(self, k: int, predicted: float) -> int:
         self.chosen[k] += 1
@@ -274,11 +281,13 @@ class SpecPolicy:
         observe_draft = self.draft.observe_prior if calibration else self.draft.observe
         observe_target(shape.target_features(), max(step_s - draft_s, 0.0))
         step0 = STEP0_DEFERRED not in output.draft_stats  # the drafter says whether it ran its per-step pass
-        # MTP's catch-up ran step 0 over deferred tokens too: they are step-0 tokens of this step's draft pass
-        caught_up = output.draft_stats.get("catch_up_tokens", 0.0)
-        draft_shape = dataclasses.replace(shape, num_tokens=shape.num_tokens + round(caught_up),
-                                          num_keys=shape.num_keys + output.draft_stats.get("catch_up_keys", 0.0))
-        observe_draft(draft_shape.draft_features(plan.num_spec_tokens, step0, self.first_reads_shared_once), draft_s)
+        if step0 or plan.num_spec_tokens:  # else no draft term is exercised (the features are all zero): no fit
+            # MTP's catch-up ran step 0 over deferred tokens too: they are step-0 tokens of this step's draft pass
+            caught_up = output.draft_stats.get("catch_up_tokens", 0.0)
+            draft_shape = dataclasses.replace(shape, num_tokens=shape.num_tokens + round(caught_up),
+                                              num_keys=shape.num_keys + output.draft_stats.get("catch_up_keys", 0.0))
+            observe_draft(draft_shape.draft_features(plan.num_spec_tokens, step0, self.first_reads_shared_once),
+                          draft_s)
         sampling_rows = [row for row in plan.rows if row.sampling is not None]
         if self.costly_catch_up:  # tokens each request has deferred since its step 0 last ran
             for s, row in enumerate(sampling_rows):

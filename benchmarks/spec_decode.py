@@ -118,6 +118,10 @@ def main() -> None:
     if Path(args.model) == DEFAULT_MODEL:
         configs.append(("dspark K=3", {"method": "dspark", "model": str(DEFAULT_DSPARK), "num_speculative_tokens": 3}))
     results = []
+    # a checkout without ../shared beside it (a git worktree elsewhere) times synthetic prompts: shorter contexts and
+    # near-total acceptance, numbers that compare with nothing measured on GSM8K; say which prompts ran
+    print(f"prompts: 5-shot GSM8K test from {GSM8K}" if GSM8K.is_file()
+          else f"prompts: SYNTHETIC ({GSM8K} not found): not comparable with GSM8K runs")
     print(f"{'config':<12} {'batch':>5} {'tok/s':>9} {'vs no-spec':>10} {'accept len':>10} {'accept rate':>11}  "
           "per position")
     engines = {name: build(args.model, spec, args) for name, spec in configs}

@@ -88,9 +88,7 @@ class DeepSeekMTP(nn.Module):
         copy differs keeps its own. -> bytes freed."""
         freed = 0
         for layer in self.layers:
-            for name, trunk in (("embed_tokens", embed), ("shared_head.head", lm_head)):
-                owner = layer.shared_head if name.startswith("shared_head") else layer
-                attr = name.rsplit(".", 1)[-1]
+            for owner, attr, trunk in ((layer, "embed_tokens", embed), (layer.shared_head, "head", lm_head)):
                 own = getattr(owner, attr)
                 if own is trunk or own.weight.shape != trunk.weight.shape or own.weight.dtype != trunk.weight.dtype \
                         or not torch.equal(own.weight, trunk.weight):

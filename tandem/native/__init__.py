@@ -117,12 +117,13 @@ def _register_fakes() -> None:
         return x.new_empty(x.shape[0], weight.shape[0])
 
 
-def serves(x: torch.Tensor, *params: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
+def serves(x: torch.Tensor, *params: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,),
+           in_compiled: bool = False) -> bool:
     """True when a kernel should compute on x: a CPU tensor of one of `dtypes` (float32 unless the caller's kernel
-    takes more: ELEMENTWISE_DTYPES) in an eager model whose kernels serve its dtype and are loaded (inductor fuses
-    these ops itself in compiled pieces), with no gradient to carry (the kernels have no backward: training,
-    tandem/train, runs the PyTorch formulas)."""
-    if x.dtype not in dtypes or x.device.type != "cpu" or torch.compiler.is_compiling():
+    takes more: ELEMENTWISE_DTYPES) in a model whose kernels serve its dtype and are loaded, with no gradient to
+    carry (the kernels have no backward: training, tandem/train, runs the PyTorch formulas). Eager only unless
+    `in_compiled` (the small-row GEMM, an opaque op inside compiled pieces; inductor fuses elementwise ops)."""
+    if x.dtype not in dtypes or x.device.type != "cpu" or (torch.compiler.is_compiling() and not in_compiled):
         return False
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
         return False
@@ -130,13 +131,8 @@ def serves(x: torch.Tensor, *params: torch.Tensor, dtypes: tuple[torch.dtype, ..
 
 
 def serves_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """serves() for the small-row GEMM, which compiled pieces call too (an opaque op between inductor's fused
-    kernels; the elementwise ops are inductor's to fuse): float32 CPU, no gradient, the kernels loaded."""
-    if x.dtype != torch.float32 or x.device.type != "cpu":
-        return False
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return False
-    return enabled()
+    """serves() for the small-row GEMM: float32, in eager models and compiled pieces alike."""
+    return serves(x, weight, in_compiled=True)
 
 
 def serves_elementwise(x: torch.Tensor, *params: torch.Tensor) -> bool:

@@ -1,6 +1,7 @@
 """compilation_config.mode VLLM_COMPILE: torch.compile'd pieces between the opaque attention / MoE / collective ops
 give the same greedy tokens as eager on every tiny architecture, with PCP=2 and with MTP drafting; a compile
-failure falls back to eager with one warning; bad modes are named."""
+failure falls back to eager with one warning; bad modes are named; a forward compiled without its structural guards
+stays its own instance's and still follows its inputs and the globals it reads."""
 
 from __future__ import annotations
 
@@ -64,6 +65,63 @@ def test_failed_compile_falls_back_to_eager_with_one_warning(caplog):
         assert torch.equal(wrapped(torch.ones(2)), torch.full((2,), 2.0))
     warnings = [r for r in caplog.records if "running it eagerly" in r.getMessage()]
     assert len(warnings) == 1 and "test forward" in warnings[0].getMessage()
+
+
+_SWITCH = {"double": False}  # a module-level switch the forward reads, as tandem.native's kernel switch
+
+
+class _Scale(torch.nn.Module):
+    def __init__(self, k: float, graph_break: bool = False):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.full((4,), k), requires_grad=False)
+        self.graph_break = graph_break
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.graph_break and x.sum() > 0:  # data-dependent branch: Dynamo cannot capture it whole
+            x = x + 0
+        y = x * self.w
+        return y * 2 if _SWITCH["double"] else y
+
+
+@pytest.mark.parametrize("rows", [None, 1, 3])
+def test_lean_forward_is_its_instances_own(rows):
+    """Two models of one class, compiled without the guards on their structure and parameters: each runs its own
+    weights (the compiled entries live on a per-instance copy of the code object, where a shared one would let
+    the second model match the first's frozen graph)."""
+    a, b = _Scale(2.0), _Scale(3.0)
+    fa, fb = CompiledForward(a.forward, "a"), CompiledForward(b.forward, "b")
+    x = torch.ones(4) if rows is None else torch.ones(rows, 4)
+    with torch.inference_mode():
+        assert torch.equal(fa(x), x * 2) and torch.equal(fb(x), x * 3)
+        assert torch.equal(fa(x), x * 2)
+    assert fa.lean and fb.lean
+
+
+def test_lean_forward_follows_its_inputs_and_globals():
+    """The guards kept are the ones that change between calls: a new dtype or rank of the input, and a global the
+    forward reads (the native kernels' switch), each take a fresh graph rather than a stale one."""
+    f = CompiledForward(_Scale(2.0).forward, "scale")
+    with torch.inference_mode():
+        assert torch.equal(f(torch.ones(4)), torch.full((4,), 2.0))
+        got = f(torch.ones(4, dtype=torch.float64))
+        assert got.dtype == torch.float64 and torch.equal(got, torch.full((4,), 2.0, dtype=torch.float64))
+        assert torch.equal(f(torch.ones(2, 4)), torch.full((2, 4), 2.0))
+        _SWITCH["double"] = True
+        try:
+            assert torch.equal(f(torch.ones(4)), torch.full((4,), 4.0))
+        finally:
+            _SWITCH["double"] = False
+        assert torch.equal(f(torch.ones(4)), torch.full((4,), 2.0))
+
+
+def test_forward_with_a_graph_break_compiles_with_its_guards(caplog):
+    model = _Scale(5.0, graph_break=True)
+    f = CompiledForward(model.forward, "breaking forward")
+    with caplog.at_level(logging.INFO, logger="tandem"), torch.inference_mode():
+        assert torch.equal(f(torch.ones(4)), torch.full((4,), 5.0))
+        assert torch.equal(f(-torch.ones(3, 4)), torch.full((3, 4), -5.0))
+    assert not f.lean and f.compiled is not None
+    assert any("graph break" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize("mode", [1, 2, "FAST", True])

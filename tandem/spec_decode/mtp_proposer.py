@@ -71,10 +71,6 @@ class MTPProposer:
         except a decode step proposing nothing (K = 0), whose tokens it takes at the next step that drafts
         (mtp_catch_up.py; the sharded mode at PCP > 1 runs it every step)."""
         plan, batch = step.plan, step.batch
-        # The draft decodes' key bound comes from THIS step's global batch, before any draft metadata is built
-        # (the seed PR's review finding: a bound kept from the previous proposal misses a request that just
-        # accepted all K drafts plus its bonus token).
-        max_seq_len = draft_max_seq_len(batch, k, self.max_model_len)
         shifted, last_idx = self._shifted_ids(plan, batch, emitted)  # global: a next token may be remote
         if self.defers and k == 0 and last_idx and self.deferred.can_defer(plan, batch, last_idx):
             self.deferred.defer(plan, batch, shifted, step.global_hidden(), last_idx)
@@ -106,8 +102,11 @@ class MTPProposer:
         num_rows = len(last_idx)
         # a sharded drafter's own KV is sharded like the target's: its decodes attend over owned keys too
         kv_shard = step.pcp if self.sharded and isinstance(step.pcp, ShardedKVPCPHooks) else None
-        decode = DraftDecodeMetadata(plan, batch, self.block_size, self.max_model_len, max_seq_len,
-                                     kv_shard) if k > 1 else None
+        # The draft decodes' key bound comes from THIS step's global batch (the seed PR's review finding: a bound
+        # kept from the previous proposal misses a request that just accepted all K drafts plus its bonus token);
+        # only the K - 1 draft decodes read it
+        decode = DraftDecodeMetadata(plan, batch, self.block_size, self.max_model_len,
+                                     draft_max_seq_len(batch, k, self.max_model_len), kv_shard) if k > 1 else None
         for i in range(1, k):
             assert decode is not None
             step_pos = positions + i

@@ -43,9 +43,10 @@ def _configure_inductor() -> None:
 
 
 def _kept_guards(entries: Any) -> list[bool]:
-    """Keep the guards on the call's inputs and on globals; drop those on the model's own structure (its
-    submodules, their hooks, types and parameters), which are fixed once it is loaded, and Dynamo's pairwise
-    no-aliasing checks among the globals it read (modules, not tensors)."""
+    """Keep the guards on the call's inputs and on globals; drop those on the model's own structure (names rooted
+    at the forward's `self`: its submodules, their hooks, types and parameters), which is fixed once it is loaded,
+    and Dynamo's pairwise no-aliasing checks among the globals it read (modules, not tensors). A function without a
+    `self` keeps every guard."""
     return [not e.name.startswith(("self.", "L['self']")) and not (e.is_global and e.guard_type == "DUPLICATE_INPUT")
             for e in entries]
 

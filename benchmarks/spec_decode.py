@@ -11,13 +11,15 @@ generation stops at the answer's end (a blank line), as in the eval. Per-positio
 drafts accepted at position i / drafts verified, i = 1..K, over every step of the runs on one engine (the warm-up
 included); `--plot` draws it per drafter, one panel per batch size.
 Every config's engine is built first and the timed runs go round-robin, so machine noise falls on all of them
-alike; each point is the best of --repeats runs.
+alike; each point is the best of --repeats runs, and "paired" the median over rounds of its tok/s over no-spec's
+in the same round (robust to one lucky round; use --repeats 5 or more).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -48,25 +50,33 @@ def build(model: str, spec: dict | None, args: argparse.Namespace) -> LLM:
 
 def run_batch(engines: dict[str, LLM], batch: int, max_tokens: int, repeats: int) -> dict[str, dict]:
     """Every config's engine is built first and the timed runs go round-robin (the order rotating each round),
-    so a slow patch of a shared machine falls on every config alike; each config reports its best run."""
+    so a slow patch of a shared machine falls on every config alike; each config reports its best run, and its
+    paired ratio to the first config (no-spec): the median over rounds of its tok/s over the first's in the same
+    round. Best against best can pair one config's luckiest round with another's slow one; the paired median
+    cannot (a best-of-3 batch-1 MTP K=2 read 1.45x where its parts allow at most ~1.34x)."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, stop=STOP_STRINGS)
     batch_prompts = prompts(batch)
     names = list(engines)
-    elapsed = dict.fromkeys(names, float("inf"))
+    walls: dict[str, list[float]] = {name: [] for name in names}  # [repeats] each, in round order
     outs: dict[str, list] = {}
     for r in range(repeats):
         for name in names[r % len(names):] + names[: r % len(names)]:
             start = time.perf_counter()
             outs[name] = engines[name].generate(batch_prompts, params, use_tqdm=False)
-            elapsed[name] = min(elapsed[name], time.perf_counter() - start)
+            walls[name].append(time.perf_counter() - start)
+    tokens_of = {name: sum(len(o.outputs[0].token_ids) for o in outs[name]) for name in names}
+    base = names[0]
     results = {}
     for name, llm in engines.items():
         metrics = {m.name: m.values if hasattr(m, "values") else m.value for m in llm.get_metrics()}
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs[name])
+        tokens = tokens_of[name]
+        paired = statistics.median(tokens / w / (tokens_of[base] / b) for w, b in zip(walls[name], walls[base],
+                                                                                      strict=True))
+        elapsed = min(walls[name])
         drafts = metrics.get("tandem:spec_decode_num_drafts") or 0
         per_pos = metrics.get("tandem:spec_decode_num_accepted_tokens_per_pos") or []
         results[name] = {
-            "batch": batch, "tokens_per_s": tokens / elapsed[name], "wall_s": elapsed[name],
+            "batch": batch, "tokens_per_s": tokens / elapsed, "wall_s": elapsed, "paired_vs_no_spec": paired,
             "mean_acceptance_length": metrics.get("tandem:spec_decode_mean_acceptance_length", 1.0),
             "acceptance_rate": metrics.get("tandem:spec_decode_acceptance_rate"),
             "acceptance_per_pos": [n / drafts for n in per_pos] if drafts else []}
@@ -122,8 +132,8 @@ def main() -> None:
     # near-total acceptance, numbers that compare with nothing measured on GSM8K; say which prompts ran
     print(f"prompts: 5-shot GSM8K test from {GSM8K}" if GSM8K.is_file()
           else f"prompts: SYNTHETIC ({GSM8K} not found): not comparable with GSM8K runs")
-    print(f"{'config':<12} {'batch':>5} {'tok/s':>9} {'vs no-spec':>10} {'accept len':>10} {'accept rate':>11}  "
-          "per position")
+    print(f"{'config':<12} {'batch':>5} {'tok/s':>9} {'vs no-spec':>10} {'paired':>7} {'accept len':>10} "
+          f"{'accept rate':>11}  per position")
     engines = {name: build(args.model, spec, args) for name, spec in configs}
     for batch in args.batches:
         batch_results = run_batch(engines, batch, args.max_tokens, args.repeats)
@@ -133,7 +143,7 @@ def main() -> None:
             rate = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.3f}"
             per_pos = " ".join(f"{x:.3f}" for x in r["acceptance_per_pos"]) or "-"
             print(f"{name:<12} {batch:>5} {r['tokens_per_s']:>9.1f} {r['tokens_per_s'] / base:>9.2f}x "
-                  f"{r['mean_acceptance_length']:>10.3f} {rate:>11}  {per_pos}")
+                  f"{r['paired_vs_no_spec']:>6.2f}x {r['mean_acceptance_length']:>10.3f} {rate:>11}  {per_pos}")
             results.append(r)
     for llm in engines.values():
         llm.shutdown()

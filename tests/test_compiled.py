@@ -86,8 +86,9 @@ class _Scale(torch.nn.Module):
 @pytest.mark.parametrize("rows", [None, 1, 3])
 def test_lean_forward_is_its_instances_own(rows):
     """Two models of one class, compiled without the guards on their structure and parameters: each runs its own
-    weights (the compiled entries live on a per-instance copy of the code object, where a shared one would let
-    the second model match the first's frozen graph)."""
+    weights, not the first one's frozen graph. Two things keep them apart: each forward compiles from its own copy
+    of the code object (compile.own_code), and Dynamo skips a cache entry made by another torch.compile call (its
+    backend check); the test fails only if neither holds, e.g. a single shared compile with the filter."""
     a, b = _Scale(2.0), _Scale(3.0)
     fa, fb = CompiledForward(a.forward, "a"), CompiledForward(b.forward, "b")
     x = torch.ones(4) if rows is None else torch.ones(rows, 4)

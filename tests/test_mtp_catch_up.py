@@ -25,7 +25,7 @@ def test_a_row_takes_the_deferred_tokens_right_before_it():
     entry = _deferred(10, 5)  # positions 10..14
     assert entry.before(15) is entry
     trimmed = entry.before(13)  # a resumed request whose row starts inside them: only 10..12 are still missing
-    assert trimmed is not None and trimmed.num_tokens == 3 and torch.cat(trimmed.ids).tolist() == [10, 11, 12]
+    assert trimmed is not None and trimmed.num_tokens == 3 and trimmed.ids == [10, 11, 12]
     assert entry.before(10) is None, "a row recomputing them (a preempted prompt) takes none"
     assert entry.before(16) is None, "after a gap the tokens do not lie right before the row"
 
@@ -86,7 +86,7 @@ def test_a_prompts_last_chunk_defers_and_an_earlier_chunk_does_not():
     assert deferred.can_defer(last, batch, [2])
     deferred.defer(last, batch, torch.tensor([2, 3, 9]), torch.ones(3, 2), [2])
     entry = deferred.deferred["p"]
-    assert (entry.start, entry.num_tokens, torch.cat(entry.ids).tolist()) == (4, 3, [2, 3, 9])
+    assert (entry.start, entry.num_tokens, entry.ids) == (4, 3, [2, 3, 9])
     ext = deferred.extend(_decode_plan([("p", 7, 0)]), prepare_inputs(_decode_plan([("p", 7, 0)]), BLOCK, "cpu"),
                           torch.tensor([5]), torch.zeros(1, 2))
     assert ext is not None and ext.positions.tolist() == [4, 5, 6, 7], "the first decode catches the prompt up"
@@ -94,3 +94,32 @@ def test_a_prompts_last_chunk_defers_and_an_earlier_chunk_does_not():
                       ScheduledRow("r", [4], 9, [1, 2, 3], False, GREEDY)])
     assert not DeferredStep0(BLOCK).can_defer(chunk, prepare_inputs(chunk, BLOCK, "cpu"), [3]), \
         "a chunk that does not end its prompt runs step 0, and so does the step it is in"
+
+
+def test_the_decode_fast_path_keeps_what_the_general_path_keeps():
+    """defer_decodes (every row one decode token) keeps the same positions, ids and hidden states as can_defer +
+    defer over the shifted ids, restarts a row after a gap alike, and declines, keeping nothing, where a row
+    verifies drafts or sits at the bound."""
+    plan = _decode_plan([("a", 20, 0), ("b", 9, 0)])
+    batch = prepare_inputs(plan, BLOCK, "cpu")
+    hidden = torch.tensor([[1.0, 1.5], [2.0, 2.5]])
+    emitted = [[31], [32]]
+    fast, general = DeferredStep0(BLOCK), DeferredStep0(BLOCK)
+    for d in (fast, general):
+        d.deferred["b"] = _deferred(6, 3, hidden=2)  # right before b's row: extended
+        d.deferred["a"] = _deferred(3, 2, hidden=2)  # a gap before a's row: restarted at 20
+    assert fast.defer_decodes(plan, emitted, hidden)
+    assert general.can_defer(plan, batch, [0, 1])
+    general.defer(plan, batch, torch.tensor([31, 32]), hidden, [0, 1])
+    for rid in ("a", "b"):
+        f, g = fast.deferred[rid], general.deferred[rid]
+        assert (f.start, f.num_tokens, f.ids) == (g.start, g.num_tokens, g.ids), rid
+        assert torch.equal(torch.cat(f.hidden), torch.cat(g.hidden)), rid
+    assert fast.deferred["a"].start == 20 and fast.deferred["b"].ids == [6, 7, 8, 32]
+    hidden.fill_(0.0)  # the target's buffer is reused by the next step: what was kept is a copy
+    assert torch.cat(fast.deferred["b"].hidden)[-1].tolist() == [2.0, 2.5]
+    drafting = _decode_plan([("c", 20, 2)])
+    assert not fast.defer_decodes(drafting, [[1, 2]], torch.zeros(3, 2)) and "c" not in fast.deferred
+    fast.deferred["a"].num_tokens = MAX_DEFERRED_TOKENS
+    assert not fast.defer_decodes(plan, emitted, torch.zeros(2, 2)), "at the bound the step runs step 0"
+    assert fast.deferred["b"].num_tokens == 4, "declining keeps nothing for the other rows"

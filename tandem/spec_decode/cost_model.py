@@ -244,6 +244,11 @@ class LinearCostModel:
         self._free = free
         self.coef = coef
 
+    def refresh(self) -> None:
+        """Re-solve now where served steps came in since the last fit (else nothing changed)."""
+        if self._pending:
+            self.refit()
+
     @property
     def ready(self) -> bool:
         return self.num_observations >= self.refresh_every

@@ -71,6 +71,8 @@ class MTPProposer:
         except a decode step proposing nothing (K = 0), whose tokens it takes at the next step that drafts
         (mtp_catch_up.py; the sharded mode at PCP > 1 runs it every step)."""
         plan, batch = step.plan, step.batch
+        if self.defers and k == 0 and self.deferred.defer_decodes(plan, emitted, step.global_hidden()):
+            return Proposal([[] for _ in emitted], stats={STEP0_DEFERRED: float(batch.num_tokens - batch.num_padding)})
         shifted, last_idx = self._shifted_ids(plan, batch, emitted)  # global: a next token may be remote
         if self.defers and k == 0 and last_idx and self.deferred.can_defer(plan, batch, last_idx):
             self.deferred.defer(plan, batch, shifted, step.global_hidden(), last_idx)

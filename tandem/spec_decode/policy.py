@@ -57,9 +57,17 @@ from tandem.spec_decode.cost_model import (
 # MTP: K = 1 priced 17.5 ms on average against 13.8 measured, and "auto" kept K = 0 at 0.92x no-spec)
 NEAR_TIE = 0.9
 EXPLORE_OPTIMISM = 0.5  # could_pay: each position's acceptance estimate moved this share of the way to 1
-# a batch of the same rows keeps its prices this many steps (contexts grow by a token or a few a step, and
-# `expected` cost ~0.17 ms at batch 1: ~2% of a 9 ms step, paid by every K = 0 step that no-spec does not pay)
+# What "auto" runs each step is paid by every step, and no fixed K pays it: inside the engine (after the model's
+# step, with the interpreter's caches cold) each small numpy call costs ~3x what it does in a loop of its own, and
+# the full choice and record cost ~0.25 ms at K = 0 and ~0.7 ms while drafting at batch 1, on a 4-5 ms step
+# ("auto" read 0.88x no-spec there, and its K = 2 steps 5.25 ms against a fixed K = 2 engine's 4.55). So:
+# a batch of the same rows keeps its prices this many steps (contexts grow by a token or a few a step)
 REPRICE_EVERY = 4
+# a decision of K = 0 over the same decode rows stands this many steps: the steps in between run no pricing and
+# no exploration check (an exploration comes at most HOLD - 1 steps late)
+HOLD = 8
+# (every step still feeds the cost fit: fed one held step in 4, the fits moved enough that "auto" came back to
+# drafting after a drafter's bad stretch in 4 of 8 synthetic streams, against 7 of 8 unthinned)
 
 
 @dataclass(frozen=True)
@@ -101,6 +109,8 @@ class SpecPolicy:
         self.realised_emitted = 0
         self._pending_prediction: float | None = None
         self._explore_left = 0  # exploration steps still to run: one proposes, the next verifies
+        self._refit_due = False  # an exploration just ended: re-solve the fits with its steps before its verdict
+        self._drafted_rows = 0  # the most sampling rows of any drafting step observed (calibration's included)
         self._last_k = 0
         self.last_seconds = np.zeros(max_k + 1)  # [K_max + 1] predicted seconds of the last decode step's choice
         self._priced: tuple[np.ndarray, np.ndarray] = (np.zeros(0), np.zeros(0))  # the last `expected`, its rows
@@ -112,12 +122,27 @@ class SpecPolicy:
         self._optimistic_age = 0
         self._priced_age = 0
         self._deferred: dict[str, int] = {}  # request -> tokens whose step 0 waits (costly_catch_up drafters)
+        self._hold_left = 0  # steps the last K = 0 decision still stands (HOLD), for `_hold_rows` decode rows
+        self._hold_rows = 0
+        self._held = False  # this step's K came from a hold
+        self._steady = False  # this step runs the last step's K, neither exploring nor probing
+        self._was_steady = False  # the last step was steady (after any other, prices are made afresh)
+        self._held_emitted = 0.0  # the held decision's expected emitted tokens
 
     # -- choosing ------------------------------------------------------------------------------------------------
     def choose(self, running: list[RunningRow], new_batch: bool = False) -> int:
         """`new_batch`: no row verifies drafts this step (the scheduler found no decode row running before it
         admitted these), so K only sets the drafts they propose at its end: weighed as below, even for rows a prefix
         hit left with one token to compute (which the rows alone cannot tell from decodes)."""
+        self._was_steady, self._held, self._steady = self._steady, False, False
+        if self._hold_left and not new_batch and len(running) == self._hold_rows and all(
+                r.num_new_tokens == 1 for r in running):
+            # the last decision (K = 0, nothing due) stands: what the K = 0 branch below does, without the pricing
+            self._hold_left -= 1
+            self._held = self._steady = True
+            self.steps_at_zero += 1
+            return self._commit(0, self._held_emitted)
+        self._hold_left = 0
         if new_batch:
             # only admissions and prompt chunks (a new batch): the drafts proposed now are verified by the decode
             # step these rows make next, so weigh K by that step (new requests at the global acceptance estimate),
@@ -132,13 +157,18 @@ class SpecPolicy:
             # drafting starts only for the switch margin: the acceptance it is priced at is the last batch's (its
             # tail's, often), and a batch of 32 that started at K = 1 on it paid ~2x a step until it learnt better
             return self._commit(best if rate[best] >= (1 + self.switch_margin) * rate[0] else 0, 0.0)
+        if self._refit_due:  # an exploration's verdict: priced with its steps in the fits (they refit every 8th)
+            self._refit_due = False
+            self.target.refresh()
+            self.draft.refresh()
         emitted, seconds = self._prices(running)
         self.last_seconds = seconds  # the prices of this choice, for benchmarks' traces
         if not (self.target.ready and self.draft.ready):
             k = self.max_k - int(self.chosen.sum()) % (self.max_k + 1)  # not seeded yet: sweep K to fit costs
             return self._commit(k, float(emitted[k]))
         rate = emitted / np.maximum(seconds, 1e-9)
-        if self._resume_k is not None and not self._probe_left:  # a probe ended: staying at K = 0 needs the margin
+        resumed = self._resume_k is not None and not self._probe_left
+        if resumed:  # a probe ended: staying at K = 0 needs the margin
             self._last_k, self._resume_k = self._resume_k, None
         best = argmax = int(np.argmax(rate))
         # a move up between drafting Ks discards nothing (the pending drafts are all verified) and catches nothing
@@ -150,16 +180,19 @@ class SpecPolicy:
         if self._explore_left:
             self._explore_left -= 1
             best = max(best, 1)
+            self._refit_due = not self._explore_left
         elif self._probe_left:
             self._probe_left -= 1
             best = 0
         elif best == 0:
             self.steps_drafting, self.probe_after = 0, self.base_explore_after
             self.steps_at_zero += 1
-            # acceptance is stale: draft two steps to refresh it, where a K >= 1 could pay at all, or in any case
-            # after max_explore_after steps (the fitted costs of drafting, unobserved at K = 0, go stale too)
-            if self.steps_at_zero >= self.max_explore_after or (
-                    self.steps_at_zero >= self.explore_after and self.could_pay(running, rate[0])):
+            # acceptance is stale: draft two steps to refresh it, where a K >= 1 could pay at all or drafting was
+            # never observed at about this many rows (its prices there are extrapolated: at batch 32, MTP's K = 1
+            # was priced 1.48x its cost from calibration steps of at most 5 rows, and never explored), or in any
+            # case after max_explore_after steps (the fitted costs of drafting, unobserved at K = 0, go stale too)
+            if self.steps_at_zero >= self.max_explore_after or (self.steps_at_zero >= self.explore_after and (
+                    self.could_pay(running, rate[0]) or len(running) > 2 * self._drafted_rows)):
                 self.steps_at_zero, self._explore_left = 0, 1
                 # a near tie keeps the wait, exploring it costs little; not where MTP defers step 0: each exploration
                 # catches up every deferred token (at ~8k keys, 8 rows, explored every 16 steps: 0.80x no-spec)
@@ -167,6 +200,14 @@ class SpecPolicy:
                     self.explore_after = min(2 * self.explore_after, self.max_explore_after)
                 self._explored_rows = len(running)
                 best = 1
+            elif self._last_k == 0 and all(r.num_new_tokens == 1 for r in running):
+                # K = 0 stays: hold it over the same decode rows up to the next step an exploration can fall due at
+                # (explore_after; past it, where could_pay said no, max_explore_after)
+                due = (self.explore_after if self.steps_at_zero < self.explore_after
+                       else self.max_explore_after) - self.steps_at_zero
+                self._hold_left = max(min(HOLD - 1, due - 1), 0)
+                self._hold_rows, self._held_emitted = len(running), float(emitted[0])
+                self._steady = True
         else:  # drafting pays, and refreshes the acceptance estimates as it goes
             self.steps_at_zero = 0
             if argmax > 0 and len(running) >= self._explored_rows:
@@ -178,15 +219,19 @@ class SpecPolicy:
             if self.steps_drafting >= self.probe_after:  # measure K = 0 again: two steps, as an exploration
                 self.steps_drafting, self._probe_left, self._resume_k, best = 0, 1, best, 0
                 self.probe_after = min(2 * self.probe_after, self.max_explore_after)
+            else:
+                self._steady = best == self._last_k and not resumed
         return self._commit(best, float(emitted[best]))
 
     def _prices(self, running: list[RunningRow]) -> tuple[np.ndarray, np.ndarray]:
-        """`expected(running)`, reused for up to REPRICE_EVERY steps of a run at K = 0 (no drafts, so no new
-        acceptance evidence) while the rows (and which are prompts) stay the same and the cost models are not
-        re-solved; priced afresh at every step that drafts, explores or probes."""
+        """`expected(running)`, reused for up to REPRICE_EVERY steps while the rows (and which are prompts) stay the
+        same and the cost models are not re-solved: at K = 0 nothing new is learnt of acceptance, and while drafting
+        the estimates move by a few % a step (a switch comes at most REPRICE_EVERY - 1 steps late); priced afresh
+        at every step that explores or probes and after any step that was not steady (an exploration's verdict is
+        the acceptance its last step verified: prices from before it would ignore it)."""
         key = (tuple((r.request_id, r.num_new_tokens > 1) for r in running), self.target.num_fits,
                self.draft.num_fits)
-        steady = self._last_k == 0 and not (self._explore_left or self._probe_left or self._resume_k is not None)
+        steady = self._was_steady and not (self._explore_left or self._probe_left or self._resume_k is not None)
         if not steady or key != self._priced_key or self._priced_age >= REPRICE_EVERY - 1:
             self._priced, self._priced_key, self._priced_age = self.expected(running), key, 0
         else:
@@ -275,12 +320,43 @@ class SpecPolicy:
                     calibration: bool = False) -> None:
         """A step ran: `step_s` its whole wall time on rank 0, `draft_s` the drafter's share of it. A calibration
         step (synthetic, at start-up) teaches the cost models as a prior (LinearCostModel.observe_prior) and no
-        acceptance."""
+        acceptance. A step of a held K = 0 decision has no verification to learn acceptance from."""
+        held = self._held and not calibration
+        self._observe_costs(plan, output, step_s, draft_s, calibration)
+        step0 = STEP0_DEFERRED not in output.draft_stats  # the drafter says whether it ran its per-step pass
+        sampling_rows = [row for row in plan.rows if row.sampling is not None]
+        if plan.num_spec_tokens:
+            self._drafted_rows = max(self._drafted_rows, len(sampling_rows))
+        emitted = [len(ids) for ids in output.sampled_token_ids[: len(sampling_rows)]]
+        if self.costly_catch_up:  # tokens each request has deferred since its step 0 last ran
+            for row, n in zip(sampling_rows, emitted, strict=True):
+                if step0:
+                    self._deferred.pop(row.request_id, None)
+                else:
+                    self._deferred[row.request_id] = self._deferred.get(row.request_id, 0) + n
+        if not calibration:
+            self.realised_emitted += sum(emitted)
+            if not held:  # a held step verified nothing and proposed nothing: no rate moves
+                ids = [row.request_id for row in sampling_rows]
+                self.accept.observe_rows(ids, [row.num_draft_tokens for row in sampling_rows],
+                                         [n - 1 for n in emitted])
+                proposed = [len(d) for d in output.draft_token_ids] if output.draft_token_ids else [0] * len(ids)
+                self.fill.observe_rows(ids, [plan.num_spec_tokens] * len(ids), proposed[: len(ids)])
+                self.accept.end_step()
+                self.fill.end_step()
+            if self._pending_prediction is not None:
+                self.predicted_emitted += self._pending_prediction
+        self._pending_prediction = None
+        self.free(plan.finished_request_ids)
+
+    def _observe_costs(self, plan: StepPlan, output: StepOutput, step_s: float, draft_s: float,
+                       calibration: bool) -> None:
+        """The step's target and draft seconds into the fits."""
         shape = step_shape(plan, output, self.block_size)
         observe_target = self.target.observe_prior if calibration else self.target.observe
         observe_draft = self.draft.observe_prior if calibration else self.draft.observe
         observe_target(shape.target_features(), max(step_s - draft_s, 0.0))
-        step0 = STEP0_DEFERRED not in output.draft_stats  # the drafter says whether it ran its per-step pass
+        step0 = STEP0_DEFERRED not in output.draft_stats
         if step0 or plan.num_spec_tokens:  # else no draft term is exercised (the features are all zero): no fit
             # MTP's catch-up ran step 0 over deferred tokens too: they are step-0 tokens of this step's draft pass
             caught_up = output.draft_stats.get("catch_up_tokens", 0.0)
@@ -288,29 +364,10 @@ class SpecPolicy:
                                               num_keys=shape.num_keys + output.draft_stats.get("catch_up_keys", 0.0))
             observe_draft(draft_shape.draft_features(plan.num_spec_tokens, step0, self.first_reads_shared_once),
                           draft_s)
-        sampling_rows = [row for row in plan.rows if row.sampling is not None]
-        if self.costly_catch_up:  # tokens each request has deferred since its step 0 last ran
-            for s, row in enumerate(sampling_rows):
-                if step0:
-                    self._deferred.pop(row.request_id, None)
-                else:
-                    self._deferred[row.request_id] = (self._deferred.get(row.request_id, 0)
-                                                      + len(output.sampled_token_ids[s]))
-        if not calibration:
-            ids = [row.request_id for row in sampling_rows]
-            emitted = [len(output.sampled_token_ids[s]) for s in range(len(sampling_rows))]
-            self.realised_emitted += sum(emitted)
-            self.accept.observe_rows(ids, [row.num_draft_tokens for row in sampling_rows], [n - 1 for n in emitted])
-            proposed = [len(d) for d in output.draft_token_ids] if output.draft_token_ids else [0] * len(ids)
-            self.fill.observe_rows(ids, [plan.num_spec_tokens] * len(ids), proposed[: len(ids)])
-            self.accept.end_step()
-            self.fill.end_step()
-            if self._pending_prediction is not None:
-                self.predicted_emitted += self._pending_prediction
-        self._pending_prediction = None
-        self.free(plan.finished_request_ids)
 
     def free(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._hold_left = 0  # the held rows changed (a new request may take a finished one's place)
         self.accept.free(request_ids)
         self.fill.free(request_ids)
         for rid in request_ids:

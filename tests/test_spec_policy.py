@@ -110,11 +110,15 @@ CLEAR = [(0.9, 1), (0.5, 4), (0.5, 16), (0.1, 1)]
 
 @pytest.mark.parametrize("alpha,batch", CLEAR)
 def test_converges_to_the_best_k(alpha, batch):
+    """In 7 of 8 seeded streams (where the best K beats the next by ~4-6%, an unlucky stretch of acceptance can
+    hold the runner-up, or K = 0 after a probe, for a few dozen of the last 100 steps)."""
     world = World(alpha)
     best = world.best_k(batch)
-    chosen = Simulation(SpecPolicy(K_MAX), batch, seed=1).run(world, 300)
-    k, share = _mode(chosen[-100:])
-    assert k == best and share >= 0.85, f"alpha {alpha} batch {batch}: chose {k} ({share:.0%}), best is {best}"
+    results = []
+    for seed in range(1, 9):
+        k, share = _mode(Simulation(SpecPolicy(K_MAX), batch, seed=seed).run(world, 300)[-100:])
+        results.append((k, round(share, 2)))
+    assert sum(k == best and share >= 0.85 for k, share in results) >= 7, f"best {best}, chose {results}"
 
 
 @pytest.mark.parametrize("alpha,batch", [(0.6, 1), (0.75, 4), (0.8, 16), (0.7, 1)])
@@ -246,6 +250,27 @@ def test_drafting_never_observed_at_this_many_rows_is_explored_once():
     seen = SpecPolicy(K_MAX)
     Simulation(seen, batch=16, seed=8).run(World(0.9, **costly), 40)  # its first K sweep drafts at 16 rows
     assert not any(Simulation(seen, batch=16, seed=8).run(World(0.9, **costly), 200)), "16 rows seen: no exploring"
+
+
+def test_an_exploration_that_finds_the_estimate_stale_runs_on():
+    """After a stretch where the drafter failed, its first-draft estimate is low; an exploration whose drafts are
+    then accepted far more often than that runs two more steps, up to MAX_EXTENSIONS times, so "auto" drafts again
+    within one exploration; where the drafter still fails, an exploration stays two steps."""
+    from tandem.spec_decode.policy import MAX_EXTENSIONS
+
+    for alpha, runs_on in ((0.95, True), (0.02, False)):
+        policy = SpecPolicy(K_MAX)
+        sim = Simulation(policy, batch=1, seed=2)
+        sim.run(World(0.9), 200)
+        sim.run(World(0.02), 400)
+        assert policy.accept.global_estimate()[0] < 0.5
+        chosen = sim.run(World(alpha), 400)
+        runs = "".join("1" if k else "0" for k in chosen).split("0")
+        first = next(r for r in runs if r)
+        if runs_on:
+            assert len(first) > 2 and max(chosen[-50:]) > 0, "".join(map(str, chosen))
+        else:
+            assert max(map(len, runs)) == 2 and len(first) <= 2 * (MAX_EXTENSIONS + 1), "".join(map(str, chosen))
 
 
 def test_resumes_at_once_when_the_batch_shrinks():

@@ -68,6 +68,8 @@ REPRICE_EVERY = 4
 HOLD = 8
 # (every step still feeds the cost fit: fed one held step in 4, the fits moved enough that "auto" came back to
 # drafting after a drafter's bad stretch in 4 of 8 synthetic streams, against 7 of 8 unthinned)
+EXTEND_GAP = 0.3  # an exploration extends where its first drafts were accepted this much above the estimate
+MAX_EXTENSIONS = 3  # (_extends)
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,10 @@ class SpecPolicy:
         self._pending_prediction: float | None = None
         self._explore_left = 0  # exploration steps still to run: one proposes, the next verifies
         self._refit_due = False  # an exploration just ended: re-solve the fits with its steps before its verdict
+        self._exploring = False  # this step is an exploration's
+        self._explored = [0, 0]  # the exploration's verified first drafts: accepted, tried
+        self._explore_prior = 0.0  # the global first-draft acceptance estimate when it began
+        self._extensions = 0  # times this exploration was extended
         self._drafted_rows = 0  # the most sampling rows of any drafting step observed (calibration's included)
         self._last_k = 0
         self.last_seconds = np.zeros(max_k + 1)  # [K_max + 1] predicted seconds of the last decode step's choice
@@ -134,7 +140,7 @@ class SpecPolicy:
         """`new_batch`: no row verifies drafts this step (the scheduler found no decode row running before it
         admitted these), so K only sets the drafts they propose at its end: weighed as below, even for rows a prefix
         hit left with one token to compute (which the rows alone cannot tell from decodes)."""
-        self._was_steady, self._held, self._steady = self._steady, False, False
+        self._was_steady, self._held, self._steady, self._exploring = self._steady, False, False, False
         if self._hold_left and not new_batch and len(running) == self._hold_rows and all(
                 r.num_new_tokens == 1 for r in running):
             # the last decision (K = 0, nothing due) stands: what the K = 0 branch below does, without the pricing
@@ -151,13 +157,15 @@ class SpecPolicy:
             # being 0, would cost each new batch a step without drafts)
             if not running or not (self.target.ready and self.draft.ready):
                 return self._commit(self._last_k, 0.0)
-            emitted, seconds = self.expected([RunningRow(r.request_id, r.num_tokens, 1, r.block_ids) for r in running])
+            rows = [RunningRow(r.request_id, r.num_tokens, 1, r.block_ids) for r in running]
+            emitted, seconds = self.expected(rows)
             rate = emitted / np.maximum(seconds, 1e-9)
             best = int(np.argmax(rate))
             # drafting starts only for the switch margin: the acceptance it is priced at is the last batch's (its
             # tail's, often), and a batch of 32 that started at K = 1 on it paid ~2x a step until it learnt better
             return self._commit(best if rate[best] >= (1 + self.switch_margin) * rate[0] else 0, 0.0)
-        if self._refit_due:  # an exploration's verdict: priced with its steps in the fits (they refit every 8th)
+        verdict = self._refit_due
+        if verdict:  # an exploration's verdict: priced with its steps in the fits (they refit every 8th)
             self._refit_due = False
             self.target.refresh()
             self.draft.refresh()
@@ -181,9 +189,12 @@ class SpecPolicy:
             self._explore_left -= 1
             best = max(best, 1)
             self._refit_due = not self._explore_left
+            self._exploring = True
         elif self._probe_left:
             self._probe_left -= 1
             best = 0
+        elif best == 0 and verdict and self._extends():
+            self._explore_left, self._exploring, best = 1, True, 1
         elif best == 0:
             self.steps_drafting, self.probe_after = 0, self.base_explore_after
             self.steps_at_zero += 1
@@ -193,7 +204,9 @@ class SpecPolicy:
             # case after max_explore_after steps (the fitted costs of drafting, unobserved at K = 0, go stale too)
             if self.steps_at_zero >= self.max_explore_after or (self.steps_at_zero >= self.explore_after and (
                     self.could_pay(running, rate[0]) or len(running) > 2 * self._drafted_rows)):
-                self.steps_at_zero, self._explore_left = 0, 1
+                self.steps_at_zero, self._explore_left, self._exploring = 0, 1, True
+                self._explored, self._extensions = [0, 0], 0
+                self._explore_prior = float(self.accept.global_estimate()[0])
                 # a near tie keeps the wait, exploring it costs little; not where MTP defers step 0: each exploration
                 # catches up every deferred token (at ~8k keys, 8 rows, explored every 16 steps: 0.80x no-spec)
                 if self.costly_catch_up or rate[1:].max() < NEAR_TIE * rate[0]:
@@ -222,6 +235,17 @@ class SpecPolicy:
             else:
                 self._steady = best == self._last_k and not resumed
         return self._commit(best, float(emitted[best]))
+
+    def _extends(self) -> bool:
+        """An exploration whose verified first drafts were accepted far more often than the estimate it began with
+        (EXTEND_GAP) runs two more steps, up to MAX_EXTENSIONS times: the estimate is stale, and two steps of
+        evidence at batch 1 barely move it (after a stretch where the drafter failed, one read 0.31 for a drafter
+        now accepted 90% of the time, and "auto" took 4-8 explorations, hundreds of steps, to draft again)."""
+        accepted, tried = self._explored
+        if self._extensions >= MAX_EXTENSIONS or not tried or accepted / tried < self._explore_prior + EXTEND_GAP:
+            return False
+        self._extensions += 1
+        return True
 
     def _prices(self, running: list[RunningRow]) -> tuple[np.ndarray, np.ndarray]:
         """`expected(running)`, reused for up to REPRICE_EVERY steps while the rows (and which are prompts) stay the
@@ -337,6 +361,11 @@ class SpecPolicy:
         if not calibration:
             self.realised_emitted += sum(emitted)
             if not held:  # a held step verified nothing and proposed nothing: no rate moves
+                if self._exploring:  # the verifications of an exploration's steps (its verdict rests on them)
+                    for row, n in zip(sampling_rows, emitted, strict=True):
+                        if row.num_draft_tokens:
+                            self._explored[0] += n > 1
+                            self._explored[1] += 1
                 ids = [row.request_id for row in sampling_rows]
                 self.accept.observe_rows(ids, [row.num_draft_tokens for row in sampling_rows],
                                          [n - 1 for n in emitted])

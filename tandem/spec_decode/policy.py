@@ -27,6 +27,11 @@ measures only that K's step, and K = 0's price, extrapolated from steps long gon
 with nothing to correct it.
 A switch of K discards the pending drafts, so K changes only for a gain above `switch_margin` (a third of it for a
 move up between drafting Ks, which discards nothing).
+A batch of more than twice the rows drafting was ever observed at explores once on the usual wait whatever
+could_pay says (its drafting prices are extrapolated), and the fits are re-solved before an exploration's verdict.
+An exploration whose first drafts were accepted far above the estimate it began with runs on (`_extends`).
+What the policy itself costs is paid by every step: a K = 0 decision over the same decode rows is held for HOLD
+steps without pricing, and prices are reused for REPRICE_EVERY steps.
 Rank 0 only, no torch: the scheduler asks `choose`, the engine reports each step with `record_step`.
 """
 

@@ -273,6 +273,35 @@ def test_an_exploration_that_finds_the_estimate_stale_runs_on():
             assert max(map(len, runs)) == 2 and len(first) <= 2 * (MAX_EXTENSIONS + 1), "".join(map(str, chosen))
 
 
+@pytest.mark.parametrize("probe_up", [True, False])
+def test_probes_up_correct_a_higher_k_priced_from_stale_decode_terms(probe_up: bool) -> None:
+    """A start-up prior that prices the one-token draft decodes 4x their cost (a cold calibration can) makes K = 1
+    look best where K = 3 pays 28% more. A run at K = 1 observes no draft decode, so only a probe one K up corrects
+    that: with every other probe going up, "auto" settles at K = 3 in each seed; without, it stays at K = 1."""
+    world = World(0.9)
+    rates = [world.rate(1, k) for k in range(4)]
+    assert np.argmax(rates) == 3 and rates[3] > 1.25 * rates[1]
+    for seed in range(1, 4):
+        policy = SpecPolicy(3)
+        for i in range(24):
+            k = i % 4
+            shape = StepShape(1, 1 + k, 100.0 * (1 + k), 1, 100, float(k > 0), 100.0 * (k > 0), 1.0, 100.0 + k)
+            target, draft = world.seconds(1 + k, k)
+            if k > 1:  # each decode past the first draft priced at 4x
+                draft += 3 * world.per_draft * (k - 1)
+            policy.target.observe_prior(shape.target_features(), target)
+            policy.draft.observe_prior(shape.draft_features(k), draft)
+        sim = Simulation(policy, batch=1, seed=seed)
+        if not probe_up:
+            def no_probe_up(running: list[RunningRow], new_batch: bool = False, policy: SpecPolicy = policy,
+                            choose=policy.choose) -> int:
+                policy._probe_up = False
+                return choose(running, new_batch)
+            policy.choose = no_probe_up  # type: ignore[method-assign]
+        k, share = _mode(sim.run(world, 400)[-100:])
+        assert (k, share >= 0.85) == ((3, True) if probe_up else (1, True)), (seed, k, share)
+
+
 def test_resumes_at_once_when_the_batch_shrinks():
     """Costs, not acceptance, turn drafting off: at batch 64 verification tokens cost more than they save, at
     batch 1 they pay. The fitted costs know both, so drafting comes back on the first steps at batch 1, in 7 of 8

@@ -24,7 +24,8 @@ where drafting is cheap, does not restart it for the next full batch).
 While drafting, the policy likewise runs K = 0 for two steps (one verifies without proposing, the next is a plain
 decode) after `explore_after` drafting steps, doubling that wait each time drafting stays best: a run at one K
 measures only that K's step, and K = 0's price, extrapolated from steps long gone, can drift past the margin
-with nothing to correct it.
+with nothing to correct it. Every other probe runs one K up instead (below K_max): a run at one K observes none of
+the draft passes a higher K adds, whose prices otherwise stay what calibration made them.
 A switch of K discards the pending drafts, so K changes only for a gain above `switch_margin` (a third of it for a
 move up between drafting Ks, which discards nothing).
 A batch of more than twice the rows drafting was ever observed at explores once on the usual wait whatever
@@ -107,7 +108,9 @@ class SpecPolicy:
         self.explore_after = explore_after
         self.probe_after = explore_after  # drafting steps before the next K = 0 probe (doubles while drafting pays)
         self.steps_drafting = 0
-        self._probe_left = 0  # K = 0 probe steps still to run
+        self._probe_left = 0  # probe steps still to run
+        self._probe_k = 0  # the K a probe runs: 0, or one above the K it interrupts (every other probe, PROBE_UP)
+        self._probe_up = False  # the next probe may go up
         self._resume_k: int | None = None  # the K a probe interrupted: the next choice weighs a switch from it
         self._explored_rows = 0  # rows of the last exploration that switched nothing back on
         self.steps_at_zero = 0
@@ -197,7 +200,7 @@ class SpecPolicy:
             self._exploring = True
         elif self._probe_left:
             self._probe_left -= 1
-            best = 0
+            best = self._probe_k
         elif best == 0 and verdict and self._extends():
             self._explore_left, self._exploring, best = 1, True, 1
         elif best == 0:
@@ -235,7 +238,12 @@ class SpecPolicy:
                 self.explore_after = self.base_explore_after
             self.steps_drafting += 1
             if self.steps_drafting >= self.probe_after:  # measure K = 0 again: two steps, as an exploration
-                self.steps_drafting, self._probe_left, self._resume_k, best = 0, 1, best, 0
+                # every other probe measures K + 1 instead where it is priced within NEAR_TIE: a run at one K
+                # observes none of the draft decodes a higher K adds, and at batch 1 MTP's K = 3 stayed priced at
+                # 16.1 ms a step (fixed, it ran 12.4 ms and paid 1.21x no-spec) while "auto" ran K = 1 at 0.86x it
+                up = self._probe_up and best < self.max_k
+                self._probe_k, self._probe_up = (best + 1 if up else 0), not self._probe_up
+                self.steps_drafting, self._probe_left, self._resume_k, best = 0, 1, best, self._probe_k
                 self.probe_after = min(2 * self.probe_after, self.max_explore_after)
             else:
                 self._steady = best == self._last_k and not resumed

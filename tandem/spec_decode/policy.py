@@ -173,8 +173,9 @@ class SpecPolicy:
             # tail's, often), and a batch of 32 that started at K = 1 on it paid ~2x a step until it learnt better
             return self._commit(best if rate[best] >= (1 + self.switch_margin) * rate[0] else 0, 0.0)
         verdict = self._refit_due
-        if verdict:  # an exploration's verdict: priced with its steps in the fits (they refit every 8th)
-            self._refit_due = False
+        probed = self._resume_k is not None and not self._probe_left
+        if verdict or probed:  # an exploration's or probe's verdict: priced with its steps in the fits (they
+            self._refit_due = False  # refit every 8th observation: a probe up's draft decodes would wait)
             self.target.refresh()
             self.draft.refresh()
         emitted, seconds = self._prices(running)
@@ -183,7 +184,7 @@ class SpecPolicy:
             k = self.max_k - int(self.chosen.sum()) % (self.max_k + 1)  # not seeded yet: sweep K to fit costs
             return self._commit(k, float(emitted[k]))
         rate = emitted / np.maximum(seconds, 1e-9)
-        resumed = self._resume_k is not None and not self._probe_left
+        resumed = probed
         if resumed:  # a probe ended: staying at K = 0 needs the margin
             self._last_k, self._resume_k = self._resume_k, None
         best = argmax = int(np.argmax(rate))

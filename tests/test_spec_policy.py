@@ -277,7 +277,8 @@ def test_an_exploration_that_finds_the_estimate_stale_runs_on():
 def test_probes_up_correct_a_higher_k_priced_from_stale_decode_terms(probe_up: bool) -> None:
     """A start-up prior that prices the one-token draft decodes 4x their cost (a cold calibration can) makes K = 1
     look best where K = 3 pays 28% more. A run at K = 1 observes no draft decode, so only a probe one K up corrects
-    that: with every other probe going up, "auto" settles at K = 3 in each seed; without, it stays at K = 1."""
+    that: with probes rotating over K = 0 and the Ks either side, "auto" settles at K = 3 in each seed; with every
+    probe at K = 0, it stays at K = 1."""
     world = World(0.9)
     rates = [world.rate(1, k) for k in range(4)]
     assert np.argmax(rates) == 3 and rates[3] > 1.25 * rates[1]
@@ -295,11 +296,30 @@ def test_probes_up_correct_a_higher_k_priced_from_stale_decode_terms(probe_up: b
         if not probe_up:
             def no_probe_up(running: list[RunningRow], new_batch: bool = False, policy: SpecPolicy = policy,
                             choose=policy.choose) -> int:
-                policy._probe_up = False
+                policy._probe_turn = 0  # every probe at K = 0
                 return choose(running, new_batch)
             policy.choose = no_probe_up  # type: ignore[method-assign]
         k, share = _mode(sim.run(world, 400)[-100:])
         assert (k, share >= 0.85) == ((3, True) if probe_up else (1, True)), (seed, k, share)
+
+
+def test_probes_rotate_over_k0_and_the_ks_either_side():
+    """Drafting steadily at K = 2 of 3 (costs fixed, nothing recorded: only the schedule moves), the probes, two
+    steps each on the doubling wait, run K = 0, then K = 3, then K = 1, in turn."""
+    policy = SpecPolicy(3)
+    for model, coef in ((policy.target, {"base": 0.010, "per_token": 0.001}),
+                        (policy.draft, {"first": 0.0005, "decode": 0.001})):
+        model.coef = np.array([coef.get(t, 0.0) for t in model.terms])
+        model.num_observations = model.refresh_every
+    for _ in range(30):  # drafts 1 and 2 accepted, the third rejected: K = 3 adds a draft that never pays
+        policy.accept.observe_rows(["x"], [3], [2])
+        policy.accept.end_step()
+    running = [RunningRow("r", 100, 1)]
+    emitted, seconds = policy.expected(running)
+    assert int(np.argmax(emitted / seconds)) == 2
+    chosen = "".join(str(policy.choose(running)) for _ in range(250))
+    runs = [run for run in chosen.split("2") if run]
+    assert runs[:4] == ["00", "33", "11", "00"], chosen
 
 
 def test_resumes_at_once_when_the_batch_shrinks():

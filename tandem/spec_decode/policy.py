@@ -24,8 +24,8 @@ where drafting is cheap, does not restart it for the next full batch).
 While drafting, the policy likewise runs K = 0 for two steps (one verifies without proposing, the next is a plain
 decode) after `explore_after` drafting steps, doubling that wait each time drafting stays best: a run at one K
 measures only that K's step, and K = 0's price, extrapolated from steps long gone, can drift past the margin
-with nothing to correct it. Every other probe runs one K up instead (below K_max): a run at one K observes none of
-the draft passes a higher K adds, whose prices otherwise stay what calibration made them.
+with nothing to correct it. Probes rotate over K = 0 and one K either side of the K they interrupt: a run at one K
+observes none of the draft passes a higher K adds, whose prices otherwise stay what calibration made them.
 A switch of K discards the pending drafts, so K changes only for a gain above `switch_margin` (a third of it for a
 move up between drafting Ks, which discards nothing).
 A batch of more than twice the rows drafting was ever observed at explores once on the usual wait whatever
@@ -109,8 +109,8 @@ class SpecPolicy:
         self.probe_after = explore_after  # drafting steps before the next K = 0 probe (doubles while drafting pays)
         self.steps_drafting = 0
         self._probe_left = 0  # probe steps still to run
-        self._probe_k = 0  # the K a probe runs: 0, or one above the K it interrupts (every other probe, PROBE_UP)
-        self._probe_up = False  # the next probe may go up
+        self._probe_k = 0  # the K a probe runs: 0, or one either side of the K it interrupts
+        self._probe_turn = 0  # probes rotate over K = 0 and the Ks either side of the one they interrupt
         self._resume_k: int | None = None  # the K a probe interrupted: the next choice weighs a switch from it
         self._explored_rows = 0  # rows of the last exploration that switched nothing back on
         self.steps_at_zero = 0
@@ -239,11 +239,13 @@ class SpecPolicy:
                 self.explore_after = self.base_explore_after
             self.steps_drafting += 1
             if self.steps_drafting >= self.probe_after:  # measure K = 0 again: two steps, as an exploration
-                # every other probe measures K + 1 instead where it is priced within NEAR_TIE: a run at one K
-                # observes none of the draft decodes a higher K adds, and at batch 1 MTP's K = 3 stayed priced at
-                # 16.1 ms a step (fixed, it ran 12.4 ms and paid 1.21x no-spec) while "auto" ran K = 1 at 0.86x it
-                up = self._probe_up and best < self.max_k
-                self._probe_k, self._probe_up = (best + 1 if up else 0), not self._probe_up
+                # probes rotate over K = 0, K + 1 and K - 1: a run at one K observes none of the draft decodes a
+                # higher K adds (at batch 1 MTP's K = 3 stayed priced at 16.1 ms a step, where fixed it ran 12.4 ms
+                # and paid 1.21x no-spec, while "auto" ran K = 1 at 0.86x it), and a K below drifts unobserved too
+                # (n-gram at batch 1 ran K = 2-3 with K = 1 priced 6.9 ms, fixed 6.0, paying 1.25x no-spec)
+                turns = [0, *([best + 1] if best < self.max_k else []), *([best - 1] if best > 1 else [])]
+                self._probe_k = turns[self._probe_turn % len(turns)]
+                self._probe_turn += 1
                 self.steps_drafting, self._probe_left, self._resume_k, best = 0, 1, best, self._probe_k
                 self.probe_after = min(2 * self.probe_after, self.max_explore_after)
             else:

@@ -165,7 +165,8 @@ class MTPProposer:
             fixes[idx] = emitted[s][-1]
             last_idx.append(idx)
         if fixes:
-            shifted[torch.tensor(list(fixes))] = torch.tensor(list(fixes.values()), dtype=shifted.dtype)
+            shifted[torch.tensor(list(fixes))] = torch.tensor(list(fixes.values()), dtype=shifted.dtype,
+                                                              device=shifted.device)
         return shifted, last_idx
 
 
@@ -209,7 +210,7 @@ class DraftDecodeMetadata:
                 write_rows.cpu().numpy(), slots[writes].cpu().numpy(), clamped.device)
         if self.base is None:
             # the native kernel reads each row's keys up to its own seq_len: no key bound, no padded group to re-mask
-            bound = None if native.enabled() and clamped.device.type == "cpu" else self.max_seq_len
+            bound = None if clamped.device.type == "cpu" and native.enabled() else self.max_seq_len
             self.base = build_attention_metadata(clamped, self.query_start_loc, seq_lens, self.table,
                                                  self.block_size, write_rows, slots[writes], key_bound=bound)
             return self.base

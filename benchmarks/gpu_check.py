@@ -7,7 +7,9 @@ checks go on; rows past `--budget` seconds are reported as skipped. `--device cp
 
 1. HF parity on CUDA: tiny random checkpoints of every architecture (built here, as the tests build them), greedy
    tokens of tandem vs Hugging Face `generate`, in float32 and bfloat16.
-2. eager vs compiled (compilation_config mode VLLM_COMPILE, PIECEWISE padding): identical greedy tokens.
+2. eager vs compiled (compilation_config mode VLLM_COMPILE, PIECEWISE padding: on CUDA the compiled pieces between
+   the attention / MoE-expert / collective ops replay as CUDA graphs): identical greedy tokens, with inductor's
+   counts of graph partitions and skipped captures.
 3. Speculative greedy (MTP, n-gram, DSpark; K = 3 and "auto") identical to no-spec greedy on the bundled model.
 4. Throughput on the bundled model at batch 1 and 32, no-spec vs MTP K=3, eager and compiled.
 Needs torch with CUDA and transformers; tandem from this checkout (PYTHONPATH=.), nothing downloaded.
@@ -84,6 +86,13 @@ def drafter_specs() -> list[tuple[str, dict]]:
     return specs
 
 
+def graph_counters() -> dict[str, int]:
+    """Inductor's CUDA-graph counters: graph partitions made, captures skipped (each skip is also logged, why)."""
+    from torch._dynamo.utils import counters
+
+    return {k: counters["inductor"][f"cudagraph_{k}"] for k in ("partitions", "skips")}
+
+
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -137,6 +146,7 @@ def main() -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--quick", action="store_true", help="two architectures and batch 1 only")
     p.add_argument("--budget", type=float, default=420.0, help="seconds after which remaining checks are skipped")
+    p.add_argument("--archs", nargs="+", choices=ARCHS, help="tiny architectures to check (default: all)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 32], help="throughput batch sizes")
     p.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="which checks to run")
     args = p.parse_args()
@@ -147,7 +157,7 @@ def main() -> int:
     table = Table(args.budget)
     table.add(f"| check ({name}, torch {torch.__version__}) | result | time |")
     table.add("|---|---|---|")
-    archs = ARCHS[:2] if args.quick else ARCHS
+    archs = args.archs or (ARCHS[:2] if args.quick else ARCHS)
     with tempfile.TemporaryDirectory() as tmp:
         paths = {arch: str(build_tiny_checkpoint(arch, Path(tmp) / arch)) for arch in archs}
         dtypes = (("float32", torch.float32), ("bfloat16", torch.bfloat16))
@@ -163,9 +173,12 @@ def main() -> int:
                 table.check(f"HF parity {arch} {dtype}", parity)
         for arch in archs * ("compiled" in args.sections):
             def compiled_vs_eager(arch: str = arch) -> tuple[str, bool]:
+                before = graph_counters()
                 compiled = tandem_tokens(paths[arch], args.device, "float32", 12, compilation_config=COMPILED)
+                after = graph_counters()
                 eager = tandem_tokens(paths[arch], args.device, "float32", 12)
-                return ("identical" if compiled == eager else "DIFFERENT"), compiled == eager
+                graphs = ", ".join(f"{k} {after[k] - before[k]}" for k in after)
+                return ("identical" if compiled == eager else "DIFFERENT") + f" ({graphs})", compiled == eager
             table.check(f"eager vs compiled {arch}", compiled_vs_eager)
     if "drafters" in args.sections:
         reference: list[list[int]] = []
@@ -184,8 +197,11 @@ def main() -> int:
         for label, spec in (("no-spec", None), ("MTP K=3", mtp)):
             def speeds(batch: int = batch, spec: dict | None = spec) -> tuple[str, bool]:
                 eager = throughput(args.device, batch, spec, None)
+                before = graph_counters()
                 compiled = throughput(args.device, batch, spec, COMPILED)
-                return f"{eager:.1f} | {compiled:.1f} | {compiled / eager:.2f}x", True
+                after = graph_counters()
+                graphs = ", ".join(f"{k} {after[k] - before[k]}" for k in after)
+                return f"{eager:.1f} | {compiled:.1f} ({graphs}) | {compiled / eager:.2f}x", True
             table.check(f"batch {batch} {label}", speeds)
     print("\n".join(["", "# table", *table.rows]), flush=True)
     return 1 if table.failures else 0

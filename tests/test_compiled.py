@@ -129,3 +129,35 @@ def test_forward_with_a_graph_break_compiles_with_its_guards(caplog):
 def test_unknown_compilation_mode_is_named(tiny_checkpoints, mode):
     with pytest.raises(ConfigError, match="compilation_config.mode"):
         LLM(str(tiny_checkpoints("llama")), compilation_config={"mode": mode})
+
+
+def test_opaque_ops_stay_outside_cuda_graphs():
+    """On CUDA inductor partitions the compiled graph at ops tagged cudagraph_unsafe and captures only the pieces
+    between: attention, the MoE experts and the collectives read this step's metadata, which a graph would freeze."""
+    import tandem.compilation.opaque_ops  # noqa: F401 - registers the ops
+
+    for op in (torch.ops.tandem.attention, torch.ops.tandem.mla_attention, torch.ops.tandem.moe_experts,
+               torch.ops.tandem.all_reduce):
+        assert torch._C.Tag.cudagraph_unsafe in op.default.tags, op
+
+
+def test_cuda_graphs_only_on_cuda_with_padding(tiny_checkpoints):
+    """A CPU engine compiles no graphed variant (a CPU has no graphs to replay), with padding or without."""
+    llm = LLM(str(tiny_checkpoints("llama")), **ENGINE,
+              compilation_config={"mode": "VLLM_COMPILE", "cudagraph_mode": "PIECEWISE", **SIZES})
+    try:
+        forward = llm.engine.executor.runner.model.forward
+        assert isinstance(forward, CompiledForward)
+        assert forward.graphed is None and forward.graph_max_tokens == 0
+    finally:
+        llm.shutdown()
+
+
+def test_graph_outputs_are_copied_out():
+    """A replay's outputs live in the graph's pool and the next replay overwrites them: the caller gets copies."""
+    from tandem.compilation.compile import _owned
+
+    logits, hidden = torch.ones(2, 3), torch.zeros(2, 3)
+    got = _owned((logits, hidden))
+    assert isinstance(got, tuple) and torch.equal(got[0], logits) and torch.equal(got[1], hidden)
+    assert got[0].data_ptr() != logits.data_ptr() and got[1].data_ptr() != hidden.data_ptr()

@@ -61,16 +61,45 @@ def own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
     return own if owner is None else types.MethodType(own, owner)
 
 
-class CompiledForward:
-    """Calls the compiled function, or the eager one once compiling failed."""
+def _compile(eager: Callable[..., Any], graphs: bool) -> Callable[..., Any]:
+    options: dict[str, Any] = {"guard_filter_fn": _kept_guards}
+    if graphs:  # inductor captures the pieces between the opaque ops (graph partitions) as CUDA graphs
+        import torch._inductor.config as inductor
 
-    def __init__(self, eager: Callable[..., Any], what: str):
+        options |= {"triton.cudagraphs": True} | ({"graph_partition": True} if hasattr(inductor, "graph_partition")
+                                                  else {})
+    return torch.compile(own_code(eager), dynamic=True, fullgraph=True, options=options)
+
+
+def _owned(out: Any) -> Any:
+    """The tensors of a CUDA-graph replay's output, copied out of the graph's memory pool: the next replay of the same
+    graph overwrites them, and the runner keeps hidden states across draft passes and steps."""
+    return torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, out)
+
+
+class CompiledForward:
+    """Calls the compiled function, or the eager one once compiling failed. With `graph_max_tokens` (CUDA with
+    PIECEWISE padding), calls of at most that many tokens (the first argument's length: the padded capture sizes)
+    replay CUDA graphs of the compiled pieces; larger ones run the same pieces uncaptured."""
+
+    def __init__(self, eager: Callable[..., Any], what: str, graph_max_tokens: int = 0):
         self.eager, self.what = eager, what
-        self.compiled: Callable[..., Any] | None = torch.compile(
-            own_code(eager), dynamic=True, fullgraph=True, options={"guard_filter_fn": _kept_guards})
+        self.compiled: Callable[..., Any] | None = _compile(eager, graphs=False)
+        self.graph_max_tokens = graph_max_tokens
+        self.graphed: Callable[..., Any] | None = _compile(eager, graphs=True) if graph_max_tokens else None
         self.lean = True  # whole graphs with the structural guards dropped; False once it had to break
 
     def __call__(self, *args: Any) -> Any:
+        if self.graphed is not None and args[0].shape[0] <= self.graph_max_tokens:
+            try:
+                # each call is its own generation of inductor's CUDA-graph trees: the outputs are copied out below,
+                # so no earlier replay's outputs are live when this one overwrites them
+                torch.compiler.cudagraph_mark_step_begin()
+                return _owned(self.graphed(*args))
+            except torch._dynamo.exc.TorchDynamoException as e:
+                logger.warning("capturing %s as CUDA graphs failed, running it uncaptured: %s", self.what,
+                               str(e).splitlines()[0])
+                self.graphed = None
         if self.compiled is None:
             return self.eager(*args)
         try:
@@ -79,10 +108,10 @@ class CompiledForward:
             if self.lean and isinstance(e, torch._dynamo.exc.Unsupported):  # cannot be captured whole
                 logger.info("%s has a graph break (%s): compiling it with Dynamo's guards", self.what,
                             str(e).splitlines()[0])
-                self.lean, self.compiled = False, torch.compile(self.eager, dynamic=True)
+                self.lean, self.compiled, self.graphed = False, torch.compile(self.eager, dynamic=True), None
                 return self(*args)
             logger.warning("compiling %s failed, running it eagerly: %s", self.what, str(e).splitlines()[0])
-            self.compiled = None
+            self.compiled = self.graphed = None
             return self.eager(*args)
 
 
@@ -91,7 +120,11 @@ def compile_model(model: nn.Module, config: CompilationConfig) -> None:
     if not config.compiles:
         return
     _configure_inductor()
-    model.forward = CompiledForward(model.forward, f"{type(model).__name__}.forward")  # type: ignore[method-assign]
+    # CUDA graphs where PIECEWISE padding gives the steps a few sizes (CPUs have no graphs to replay)
+    on_cuda = any(p.device.type == "cuda" for p in model.parameters())
+    graph_max = max(config.capture_sizes) if config.pads and on_cuda else 0
+    model.forward = CompiledForward(model.forward, f"{type(model).__name__}.forward",  # type: ignore[method-assign]
+                                    graph_max)
     mtp = getattr(model, "mtp", None)
     for i, layer in enumerate(mtp.layers if mtp is not None else []):
-        layer.forward = CompiledForward(layer.forward, f"MTP layer {i}")
+        layer.forward = CompiledForward(layer.forward, f"MTP layer {i}", graph_max)

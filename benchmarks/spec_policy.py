@@ -107,7 +107,9 @@ def run_point(model: str, configs: dict[str, dict | None], texts: list[str], arg
                 "fitted_costs": {n.removeprefix("tandem:spec_policy_"): v for n, v in metrics.items()
                                  if n.startswith("tandem:spec_policy_") and "_cost_" in n},
                 "k_by_rows": k_by_rows(traces[name], len(texts)) if name in traces else None,
-                "full_step_prices": price_summary(traces[name], len(texts)) if name in traces else None}
+                "full_step_prices": price_summary(traces[name], len(texts)) if name in traces else None,
+                # every timed choice: (running rows, new batch, K, predicted seconds at each K, measured seconds)
+                "trace": traces.get(name)}
         return results
     finally:
         for llm in engines.values():

@@ -234,24 +234,22 @@ def test_no_exploration_where_even_a_perfect_drafter_could_not_pay():
 
 
 def test_drafting_never_observed_at_this_many_rows_is_explored_once():
-    """Drafting priced from steps of fewer rows is an extrapolation at more (the engine's calibration drafts at
-    <= 5 rows; at batch 32 MTP's K = 1 was priced 1.48x its cost and, could_pay saying no, never explored; at batch
-    8, drafted at only by the calibration and the batch's tails, n-gram's K = 1 was priced 2.5x a K = 0 step where
-    it paid 1.12x): a batch of more rows than drafting was ever observed at explores once, on the usual wait, even
-    where no K could pay at those prices, and its fits are re-solved with the exploration's steps before the
-    verdict. 5 rows then 8: the old rule (more than twice the rows) never explored there."""
+    """Drafting priced from steps of a few rows is an extrapolation at many more (the engine's calibration drafts at
+    <= 5 rows; at batch 32 MTP's K = 1 was priced 1.48x its cost and, could_pay saying no, never explored): a batch
+    of more than twice the rows drafting was ever observed at explores once, on the usual wait, even where no K
+    could pay at those prices, and its fits are re-solved with the exploration's steps before the verdict."""
     costly = {"base": 0.001, "per_token": 0.002, "draft_base": 0.0005, "per_draft": 0.01}
     policy = SpecPolicy(K_MAX)
-    Simulation(policy, batch=5, seed=8).run(World(0.9, **costly), 60)  # drafting observed at 5 rows
-    assert policy._drafted_rows == 5
+    Simulation(policy, batch=2, seed=8).run(World(0.9, **costly), 60)  # drafting observed at 2 rows
+    assert policy._drafted_rows == 2
     fits = policy.draft.num_fits
-    chosen = Simulation(policy, batch=8, seed=8).run(World(0.9, **costly), 200)
+    chosen = Simulation(policy, batch=16, seed=8).run(World(0.9, **costly), 200)
     starts = [i for i in range(len(chosen)) if chosen[i] and (i == 0 or not chosen[i - 1])]
     assert len(starts) == 1 and starts[0] <= 16 + 2, f"K > 0 at {[i for i, k in enumerate(chosen) if k]}"
-    assert policy._drafted_rows == 8 and policy.draft.num_fits > fits
+    assert policy._drafted_rows == 16 and policy.draft.num_fits > fits
     seen = SpecPolicy(K_MAX)
-    Simulation(seen, batch=8, seed=8).run(World(0.9, **costly), 40)  # its first K sweep drafts at 8 rows
-    assert not any(Simulation(seen, batch=8, seed=8).run(World(0.9, **costly), 200)), "8 rows seen: no exploring"
+    Simulation(seen, batch=16, seed=8).run(World(0.9, **costly), 40)  # its first K sweep drafts at 16 rows
+    assert not any(Simulation(seen, batch=16, seed=8).run(World(0.9, **costly), 200)), "16 rows seen: no exploring"
 
 
 def test_an_exploration_that_finds_the_estimate_stale_runs_on():

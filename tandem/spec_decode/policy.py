@@ -208,13 +208,11 @@ class SpecPolicy:
             self.steps_drafting, self.probe_after = 0, self.base_explore_after
             self.steps_at_zero += 1
             # acceptance is stale: draft two steps to refresh it, where a K >= 1 could pay at all or drafting was
-            # never observed at this many rows (its prices there are extrapolated: at batch 32, MTP's K = 1 was
-            # priced 1.48x its cost from calibration steps of at most 5 rows, and never explored; at batch 8, where
-            # only the calibration and the batch's tails had drafted, n-gram's K = 1 was priced 26.2 ms against a
-            # 10.6 ms K = 0 step while the fixed K = 1 engine paid 1.12x no-spec), or in any case after
-            # max_explore_after steps (the fitted costs of drafting, unobserved at K = 0, go stale too)
+            # never observed at about this many rows (its prices there are extrapolated: at batch 32, MTP's K = 1
+            # was priced 1.48x its cost from calibration steps of at most 5 rows, and never explored), or in any
+            # case after max_explore_after steps (the fitted costs of drafting, unobserved at K = 0, go stale too)
             if self.steps_at_zero >= self.max_explore_after or (self.steps_at_zero >= self.explore_after and (
-                    self.could_pay(running, rate[0]) or len(running) > self._drafted_rows)):
+                    self.could_pay(running, rate[0]) or len(running) > 2 * self._drafted_rows)):
                 self.steps_at_zero, self._explore_left, self._exploring = 0, 1, True
                 self._explored, self._extensions = [0, 0], 0
                 self._explore_prior = float(self.accept.global_estimate()[0])

@@ -195,3 +195,23 @@ def test_bf16_models_use_the_kernel_unless_they_have_mla(tiny_checkpoints, arch,
     llm.shutdown()
     native.use_for(torch.float32, mla=True)
     assert native.enabled()
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed(tmp_path, monkeypatch):
+    """torch's extension builder waits with no time limit for another build's lock file to go; one killed midway
+    leaves it and every later engine hung (PCP ranks hit the step timeout). A lock older than any build is removed;
+    a fresh one (a build under way) is left alone."""
+    import os
+    import time
+
+    from tandem.native import STALE_BUILD_LOCK_S, clear_stale_build_lock
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "tandem_native_test" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    assert not clear_stale_build_lock("tandem_native_test") and lock.exists()
+    old = time.time() - STALE_BUILD_LOCK_S - 5
+    os.utime(lock, (old, old))
+    assert clear_stale_build_lock("tandem_native_test") and not lock.exists()
+    assert not clear_stale_build_lock("tandem_native_test")  # nothing left to remove

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -37,6 +38,10 @@ ISA_FLAGS = {"AVX2": ["-mavx2", "-mfma", "-mf16c"],
              "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"]}
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
+# torch's extension builder holds a `lock` file in the build folder while it compiles and waits, with no time limit,
+# for another's to go; a build killed midway (a test run stopped, a rank killed) leaves it, and every later engine
+# then waits forever. A build takes ~1-2 minutes here: a lock this old is left over.
+STALE_BUILD_LOCK_S = 600.0
 
 
 # Model dtypes the kernel serves. float32 always; bfloat16 for models without latent (MLA) attention. The kernel
@@ -89,6 +94,7 @@ def _load() -> bool:
         # the instruction set torch itself dispatches to here, named in the build's name: a build cached by one
         # kind of CPU is never loaded by another
         flags = ["-O3", "-fopenmp", *ISA_FLAGS.get(capability, [])]
+        clear_stale_build_lock(f"tandem_native_{capability.lower()}")
         load(name=f"tandem_native_{capability.lower()}", sources=[str(p) for p in _SOURCES], extra_cflags=flags,
              extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no ninja, a build error: the PyTorch path serves
@@ -96,6 +102,23 @@ def _load() -> bool:
                     "rotary use the PyTorch paths", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         return False
     return _built()
+
+
+def clear_stale_build_lock(name: str, max_age_s: float = STALE_BUILD_LOCK_S) -> bool:
+    """Remove the build folder's lock file of extension `name` when it is older than `max_age_s` (a build killed
+    midway left it); True when one was removed."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < max_age_s:
+        return False
+    log.warning("tandem: removing %s, left %.0f s ago by a native-kernel build that did not finish", lock, age)
+    lock.unlink(missing_ok=True)
+    return True
 
 
 def _built() -> bool:

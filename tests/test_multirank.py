@@ -107,3 +107,40 @@ def test_torchrun_launch_matches_single_rank(tiny_checkpoints, tmp_path):
                                               SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                                               use_tqdm=False)
     assert got == [r.outputs[0].token_ids for r in ref]
+
+
+def test_ranks_exit_when_the_engine_process_is_killed_while_they_are_blocked(tiny_checkpoints, tmp_path):
+    """A rank blocked outside its step loop (here: waiting for another build's native-kernel lock, as ranks did
+    for 17 minutes after a test run was killed) still ends within seconds of its engine's process being killed."""
+    from server_utils import alive, descendants
+
+    name = f"tandem_native_{torch.backends.cpu.get_cpu_capability().lower()}"
+    (tmp_path / "ext" / name).mkdir(parents=True)
+    (tmp_path / "ext" / name / "lock").touch()  # a build under way elsewhere: the ranks wait for it
+    script = ("from tandem import LLM, SamplingParams\n"  # the first step loads (builds) the kernels
+              f"llm = LLM({str(tiny_checkpoints('llama'))!r}, dtype='float32', prefill_context_parallel_size=2)\n"
+              "llm.generate([{'prompt_token_ids': [5, 6, 7]}], SamplingParams(max_tokens=2), use_tqdm=False)\n")
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "TANDEM_NATIVE_KERNELS": "1",
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(ranks := descendants(proc.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(8)  # the ranks start up, take the first step and reach the lock
+        ranks = descendants(proc.pid)
+        assert len(ranks) >= 2 and proc.poll() is None, "the engine did not start its ranks"
+        proc.kill()
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 15
+        while any(alive(pid) for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [pid for pid in ranks if alive(pid)], "a rank outlived its killed engine"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in ranks + descendants(proc.pid):  # orphans are no longer the killed engine's descendants
+            if alive(pid):
+                os.kill(pid, 9)

@@ -23,6 +23,7 @@ import multiprocessing as mp
 import os
 import shutil
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -62,17 +63,26 @@ def _set_up_rank(config: EngineConfig, rank: int, init_method: str) -> ModelRunn
     return runner
 
 
+def _exit_with_parent(parent: int) -> None:
+    """A rank must not outlive its engine, wherever it is blocked when the engine dies (building the native
+    kernels, waiting on a build lock, inside a long step): a daemon thread that ends the process once its parent
+    is gone. (Linux's PR_SET_PDEATHSIG fires when the creating *thread* exits, which an engine built in a worker
+    thread would trip.)"""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="tandem-parent-watch", daemon=True).start()
+
+
 def _worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connection, threads: int) -> None:
     torch.set_num_threads(threads)
-    parent = os.getppid()
+    _exit_with_parent(os.getppid())
     try:
         runner = _set_up_rank(config, rank, init_method)
         conn.send(("ready", runner.num_blocks))
         while True:
-            if not conn.poll(1.0):
-                if os.getppid() != parent:
-                    os._exit(0)  # the engine died: do not outlive it
-                continue
             plan = conn.recv()
             if plan is None:
                 break

@@ -114,7 +114,9 @@ def test_ranks_exit_when_the_engine_process_is_killed_while_they_are_blocked(tin
     for 17 minutes after a test run was killed) still ends within seconds of its engine's process being killed."""
     from server_utils import alive, descendants
 
-    name = f"tandem_native_{torch.backends.cpu.get_cpu_capability().lower()}"
+    from tandem.native import build_name
+
+    name = build_name()
     (tmp_path / "ext" / name).mkdir(parents=True)
     (tmp_path / "ext" / name / "lock").touch()  # a build under way elsewhere: the ranks wait for it
     script = ("from tandem import LLM, SamplingParams\n"  # the first step loads (builds) the kernels
@@ -129,7 +131,9 @@ def test_ranks_exit_when_the_engine_process_is_killed_while_they_are_blocked(tin
         deadline = time.monotonic() + 60
         while len(ranks := descendants(proc.pid)) < 2 and time.monotonic() < deadline:
             time.sleep(0.2)
-        time.sleep(8)  # the ranks start up, take the first step and reach the lock
+        # the ranks start up (~3 s here), take the first step and reach the lock; a rank that has not reached it
+        # yet ends through its closed pipe instead, so this wait is what makes the test tell the two apart
+        time.sleep(8)
         ranks = descendants(proc.pid)
         assert len(ranks) >= 2 and proc.poll() is None, "the engine did not start its ranks"
         proc.kill()

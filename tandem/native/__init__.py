@@ -91,17 +91,21 @@ def _load() -> bool:
         from torch.utils.cpp_extension import load
 
         capability = torch.backends.cpu.get_cpu_capability()
-        # the instruction set torch itself dispatches to here, named in the build's name: a build cached by one
-        # kind of CPU is never loaded by another
         flags = ["-O3", "-fopenmp", *ISA_FLAGS.get(capability, [])]
-        clear_stale_build_lock(f"tandem_native_{capability.lower()}")
-        load(name=f"tandem_native_{capability.lower()}", sources=[str(p) for p in _SOURCES], extra_cflags=flags,
+        clear_stale_build_lock(build_name())
+        load(name=build_name(), sources=[str(p) for p in _SOURCES], extra_cflags=flags,
              extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no ninja, a build error: the PyTorch path serves
         log.warning("tandem: the native CPU kernels could not be built (%s: %s); attention, norms, SwiGLU and "
                     "rotary use the PyTorch paths", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         return False
     return _built()
+
+
+def build_name() -> str:
+    """The extension's name, which names its build folder: the instruction set torch itself dispatches to here is
+    part of it, so a build cached by one kind of CPU is never loaded by another."""
+    return f"tandem_native_{torch.backends.cpu.get_cpu_capability().lower()}"
 
 
 def clear_stale_build_lock(name: str, max_age_s: float = STALE_BUILD_LOCK_S) -> bool:

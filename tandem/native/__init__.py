@@ -25,6 +25,7 @@ import logging
 import os
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import torch
@@ -32,6 +33,9 @@ import torch
 log = logging.getLogger("tandem")
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "elementwise.cpp", "small_gemm.cpp")]
+# headers the sources include: torch's builder re-builds a cached extension when its sources or flags change, not its
+# headers, so their checksum goes into the flags
+_HEADERS = [Path(__file__).with_name("vec16.h")]
 _OPS = ("paged_attention", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary", "argmax_rows", "small_linear",
         "moe_experts")
 ISA_FLAGS = {"AVX2": ["-mavx2", "-mfma", "-mf16c"],
@@ -91,7 +95,8 @@ def _load() -> bool:
         from torch.utils.cpp_extension import load
 
         capability = torch.backends.cpu.get_cpu_capability()
-        flags = ["-O3", "-fopenmp", *ISA_FLAGS.get(capability, [])]
+        headers = zlib.crc32(b"".join(h.read_bytes() for h in _HEADERS))
+        flags = ["-O3", "-fopenmp", *ISA_FLAGS.get(capability, []), f"-DTANDEM_NATIVE_HEADERS={headers}"]
         clear_stale_build_lock(build_name())
         load(name=build_name(), sources=[str(p) for p in _SOURCES], extra_cflags=flags,
              extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)

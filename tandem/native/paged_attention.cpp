@@ -22,6 +22,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "vec16.h"
+
 namespace {
 
 constexpr int64_t kMaxChunk = 512;  // keys a task scores at most
@@ -52,25 +54,13 @@ inline const float* as_float<at::BFloat16>(const at::BFloat16* src, float* buf, 
   return buf;
 }
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef float f32x4 __attribute__((vector_size(16)));
-
 // One vector accumulator and a tree sum at the end: the compiler's own simd reduction sums its lanes one by one
 // through memory (16 dependent adds a dot, most of a decode's scoring time).
 inline float dot(const float* a, const float* b, int64_t n) {
   f32x16 acc = {};
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    f32x16 x, y;
-    std::memcpy(&x, a + i, sizeof(x));
-    std::memcpy(&y, b + i, sizeof(y));
-    acc += x * y;
-  }
-  const f32x8 h8 = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
-                   __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
-  const f32x4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
-  float sum = (h4[0] + h4[2]) + (h4[1] + h4[3]);
+  for (; i + 16 <= n; i += 16) acc += load16(a + i) * load16(b + i);
+  float sum = hsum(acc);
   for (; i < n; ++i) sum += a[i] * b[i];
   return sum;
 }
@@ -78,19 +68,6 @@ inline float dot(const float* a, const float* b, int64_t n) {
 inline void axpy(float alpha, const float* x, float* y, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
-}
-
-inline float hsum(f32x16 acc) {
-  const f32x8 h8 = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
-                   __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
-  const f32x4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
-  return (h4[0] + h4[2]) + (h4[1] + h4[3]);
-}
-
-inline f32x16 load16(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
 }
 
 // One query against four keys: four independent accumulators (one dot's chain of dependent FMAs leaves the FMA

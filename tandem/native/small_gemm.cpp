@@ -19,28 +19,13 @@
 #include <utility>
 #include <vector>
 
-namespace {
+#include "vec16.h"
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef float f32x4 __attribute__((vector_size(16)));
+namespace {
 
 constexpr int64_t kMaxRows = 16;            // rows of x the kernel takes (the caller checks SMALL_GEMM_ROWS)
 constexpr int64_t kWeightRows = 4;          // weight rows a pass streams together
 constexpr int64_t kGrainElements = 1 << 16;  // multiply-adds / 4 a thread takes at least: small GEMMs stay on one
-
-inline f32x16 load16(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline float hsum(f32x16 acc) {
-  const f32x8 h8 = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
-                   __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
-  const f32x4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
-  return (h4[0] + h4[2]) + (h4[1] + h4[3]);
-}
 
 // Up to 4 rows of x (MR) against 4 weight rows (w[0..3]): out[m * ldo + i] = x_m . w_i over k.
 template <int MR>

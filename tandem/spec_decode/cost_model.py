@@ -3,12 +3,19 @@ shape, and the draft-prefill prediction for the two PCP draft modes from the tar
 replicated mode, its own backend's timed cost per key).
 
 Features of a step (all from the StepPlan, so the scheduler can evaluate a step it has not run):
-    target: 1, rows, tokens, tokens x context (attended keys: sum over rows of n_i * (start_i + (n_i + 1) / 2)),
-            verifying rows and their summed context (a row with drafts takes the multi-token attention path and
-            the rejection sampler, a plain decode neither), emitted tokens
-            (the engine's per-token output work; expected emitted when the policy evaluates a step),
-            keys read (sum over rows of start_i + n_i, shared prefix blocks once: a row's cache is read once a
-            layer whatever its number of query tokens)
+    target: 1, rows, tokens past the first of each row, tokens x context (attended keys: sum over rows of
+            n_i * (start_i + (n_i + 1) / 2)), verifying rows and their summed context (a row with drafts takes the
+            multi-token attention path and the rejection sampler, a plain decode neither), emitted tokens past one a
+            sampling row (accepted drafts: the engine's per-token output work; expected when the policy evaluates a
+            step), keys read (sum over rows of start_i + n_i, shared prefix blocks once: a row's cache is read once
+            a layer whatever its number of query tokens)
+            A decode row's one token and one emitted token are priced by `per_row`. Counted whole, tokens and
+            emitted tokens equal the rows at every K = 0 step: hundreds of such steps pinned only the sum of the
+            three terms, and the ridge spread it evenly (MTP at batch 8 on GSM8K, avx2: per_token 0.212 ms and
+            per_emitted_token 0.211 ms a token after a K = 0 stretch), so every K >= 1 paid those shares again for
+            its drafts: K = 1 priced 21.7 ms where a fixed K = 1 engine ran ~15.6 ms a step, and "auto" never drafted
+            where K = 1 paid 1.36x no-spec. (Attended keys stay whole: past the keys read they would move with the
+            extra tokens at a steady context, and a K = 0 step's growing context is what tells the two apart.)
     draft:  1, tokens, attended keys                   (MTP step 0 / DSpark context: every token of the step;
                                                         0 at a decode step where MTP defers step 0, K = 0)
             [k>0], S [k>0], C [k>0]                    (first draft: sampling / DSpark's block, S rows, C keys)
@@ -42,8 +49,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-TARGET_TERMS = ("base", "per_row", "per_token", "per_token_context", "per_verifying_row",
-                "per_verifying_context", "per_emitted_token", "per_key_read")
+TARGET_TERMS = ("base", "per_row", "per_extra_token", "per_token_context", "per_verifying_row",
+                "per_verifying_context", "per_accepted_token", "per_key_read")
 DRAFT_TERMS = ("base", "per_token", "per_token_context", "first", "first_per_row", "first_per_context",
                "decode", "decode_per_row", "decode_per_context")
 
@@ -64,8 +71,13 @@ class StepShape:
     sampling_context_per_row: float | None = None  # sampling_context with shared keys once per row (None: the same)
 
     def target_features(self) -> np.ndarray:
-        return np.array([1.0, self.num_rows, self.num_tokens, self.num_keys, self.num_verifying_rows,
-                         self.verifying_context, self.num_emitted, self.keys_read])
+        """[base, rows, tokens past one a row, attended keys, verifying rows, verifying context, tokens emitted past
+        one a sampling row, keys read] (TARGET_TERMS): a plain decode step (K = 0) exercises neither count past one,
+        so the fit never splits a decode row's cost between terms that move together at K = 0 and apart at K >= 1
+        (module docstring)."""
+        return np.array([1.0, self.num_rows, self.num_tokens - self.num_rows, self.num_keys,
+                         self.num_verifying_rows, self.verifying_context,
+                         max(self.num_emitted - self.num_sampling_rows, 0.0), self.keys_read])
 
     def draft_features(self, k: int, step0: bool = True, first_reads_shared_once: bool = True) -> np.ndarray:
         """`step0`: the drafter runs its pass over every token of the step (False: MTP deferred it, K = 0);
@@ -260,22 +272,16 @@ class LinearCostModel:
         return dict(zip(self.terms, self.coef.tolist(), strict=True))
 
 
-def prefill_features(prompt_len: int, chunk: int) -> np.ndarray:
-    """Target features of prefilling one prompt in chunks of at most `chunk` tokens, summed over its steps."""
-    steps = [StepShape(1, n, attended_keys(n, start), 0, 0, keys_read=start + n)
-             for start in range(0, prompt_len, chunk) for n in [min(chunk, prompt_len - start)]]
-    return sum((s.target_features() for s in steps), np.zeros(len(TARGET_TERMS)))
-
-
 def fit_prefill_terms(samples: list[tuple[int, float]], chunk: int) -> LinearCostModel:
-    """The target's per-token and per-token-context terms from measured prefills (prompt length, seconds) of at
-    least two lengths; the per-step terms and the keys read (negligible against a long prefill's compute) are left
-    out."""
+    """The target's per-token and per-attended-key terms (per_extra_token, per_token_context) from measured
+    prefills (prompt length, seconds) of at least two lengths, each prefill's features its tokens and causal keys
+    (draft_prefill_features' sharded ones, which the prediction prices); the per-step terms and the keys read
+    (negligible against a long prefill's compute) are left out."""
     model = LinearCostModel(TARGET_TERMS, forgetting=1.0, ridge=1e-9)
     for prompt_len, seconds in samples:
-        features = prefill_features(prompt_len, chunk)
-        features[:2] = 0.0
-        features[TARGET_TERMS.index("per_key_read")] = 0.0
+        features = np.zeros(len(TARGET_TERMS))
+        features[[TARGET_TERMS.index("per_extra_token"), TARGET_TERMS.index("per_token_context")]] = \
+            draft_prefill_features("sharded", prompt_len, chunk)
         model.observe(features, seconds)
     model.refit()
     return model
@@ -314,7 +320,7 @@ def draft_prefill_terms_from_target(target: LinearCostModel, num_layers: int, pc
     rank at once (benchmarks/draft_modes.py). CONTIGUOUS_MLA's cost per key is not the target's: the a-priori
     replicated prediction came out 0.27-0.38x the measured one at 8k tokens on the 2-core dev machine."""
     c = target.named()
-    layer = np.array([c["per_token"], c["per_token_context"]]) / max(num_layers, 1)
+    layer = np.array([c["per_extra_token"], c["per_token_context"]]) / max(num_layers, 1)
     replicated = pcp_size * layer
     if replicated_per_key is not None:
         replicated[1] = replicated_per_key

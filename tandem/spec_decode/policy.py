@@ -339,8 +339,11 @@ class SpecPolicy:
         tokens = np.round(prompt_tokens + len(decode) + draft_tokens)  # whole tokens, as StepShape counts them
         keys = prompt_keys + (1.0 + drafts).T @ context
         ones = np.ones(self.max_k + 1)
-        target = np.array((ones, len(running) * ones, tokens, keys, verifying * drafting, verifying_context * drafting,
-                           num_emitted, read + draft_tokens)).T
+        # StepShape.target_features' terms: tokens and emitted tokens past a plain decode's
+        read_k = read + draft_tokens
+        target = np.array((ones, len(running) * ones, tokens - len(running), keys,
+                           verifying * drafting, verifying_context * drafting,
+                           np.maximum(num_emitted - len(decode), 0.0), read_k)).T
         step0 = drafting | (long_prompt or not self.defers_step0)  # K = 0 defers step 0 where the drafter can
         decodes = np.maximum(np.arange(self.max_k + 1) - 1, 0)
         sampling, per_row = len(decode), float(context.sum())

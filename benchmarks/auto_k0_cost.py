@@ -1,0 +1,65 @@
+"""What a K = 0 step of an "auto" engine costs beside a no-spec engine's: MTP and DSpark "auto" engines whose policy
+is forced to choose K = 0, no-spec, and a free MTP "auto", on 5-shot GSM8K (greedy, 64 tokens, EOS ignored),
+alternating, best of --repeats; then where each K = 0 step's time goes (benchmarks/step_profile.py's wrappers).
+
+    python benchmarks/auto_k0_cost.py [--batch 8] [--repeats 4]
+
+A K = 0 step of MTP "auto" defers the drafter's step 0 (mtp_catch_up.py) and DSpark's its context write: both keep a
+few tensors per step, which this measures against a plain decode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import step_profile
+
+from tandem import LLM, SamplingParams
+from tandem.assets import DEFAULT_DSPARK, DEFAULT_MODEL
+from tandem.data.gsm8k import SHARED_GSM8K
+from tandem.eval.gsm8k import build_prompts, load_eval_data
+
+AUTO = {"num_speculative_tokens": "auto", "max_num_speculative_tokens": 3}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=4)
+    args = p.parse_args()
+    questions, shots = load_eval_data(str(SHARED_GSM8K / "test.jsonl"), None, args.batch, 5, seed=42)[:2]
+    prompts = build_prompts(questions, shots)
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    configs = {"no-spec": None, "mtp-auto-k0": {"method": "mtp", **AUTO},
+               "dspark-auto-k0": {"method": "dspark", "model": str(DEFAULT_DSPARK), **AUTO},
+               "mtp-auto": {"method": "mtp", **AUTO}}
+    engines = {name: LLM(str(DEFAULT_MODEL), max_model_len=4096, speculative_config=spec)
+               for name, spec in configs.items()}
+    try:
+        for name, llm in engines.items():
+            llm.generate(prompts, params, use_tqdm=False)  # warm-up: prefix cache, the policy's first fits
+            if name.endswith("-k0"):
+                policy = llm.engine.policy
+                policy.choose = lambda running, new_batch=False, policy=policy: policy._commit(0, 0.0)
+        best = dict.fromkeys(engines, float("inf"))
+        for _ in range(args.repeats):
+            for name, llm in engines.items():
+                start = time.perf_counter()
+                llm.generate(prompts, params, use_tqdm=False)
+                best[name] = min(best[name], time.perf_counter() - start)
+        print("tok/s:", {name: round(64 * args.batch / wall, 1) for name, wall in best.items()})
+        for name in ("no-spec", "mtp-auto-k0", "dspark-auto-k0"):
+            step_profile.instrument(engines[name])
+            step_profile.TOTALS.clear()
+            engines[name].generate(prompts, params, use_tqdm=False)
+            step = step_profile.TOTALS.pop("step", 0.0)
+            parts = {part: round(s / 64 * 1000, 2) for part, s in step_profile.TOTALS.items()}
+            print(f"{name}: ms a step {step / 64 * 1000:.2f}, of which {parts}")
+    finally:
+        for llm in engines.values():
+            llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()

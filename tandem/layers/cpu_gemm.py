@@ -47,7 +47,7 @@ _CPU_HAS_BF16_DOT = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_t
 # at 8 rows; the [49152, 576] LM head 6.1/6.3 ms at one row, 5.9/8.1 at 4 (DRAM-bound: oneDNN's packed stream wins)
 # rows of x up to which an unpacked weight goes native. Without avx512 the kernel's 16 accumulators spill (avx2 has
 # 16 vector registers, an f32x16 takes two): measured there (AMD EPYC avx2, 2 threads, us, F.linear / native)
-# [576, 256] 20/12 at 1 row, 54/35 at 4, 54/71 at 8, 79/111 at 16; [2048, 256] 59/31, 188/119, 191/217, 268/414
+# [576, 256] 19/12 at 1 row, 54/35 at 4, 54/71 at 8, 79/111 at 16; [2048, 256] 65/43, 188/119, 191/217, 268/414
 SMALL_ROWS = 16 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 4
 SMALL_ROWS_PACKED = 4  # ... and a packed one
 SMALL_MAX_ELEMENTS = 1 << 22  # weights past 16 MiB of float32 (LM heads) stay on oneDNN / MKL

@@ -72,7 +72,8 @@ class Simulation:
         self.tokens = 0
         self.seconds = 0.0
 
-    def run(self, world: World, num_steps: int) -> list[int]:
+    def run(self, world: World, num_steps: int, calibration: bool = False) -> list[int]:
+        """`calibration`: the steps are the engine's start-up calibration (a prior to the cost fits)."""
         chosen = []
         for _ in range(num_steps):
             k = self.policy.choose([RunningRow(rid, n, 1) for rid, n in self.context.items()])
@@ -93,7 +94,7 @@ class Simulation:
             output = StepOutput(emitted, [None] * len(rows), [[0] * k for _ in rows], draft_s=draft * noise)
             if isinstance(world, DeferringWorld) and k == 0:  # as MTP's proposer reports a deferred step 0
                 output.draft_stats[STEP0_DEFERRED] = float(plan.num_tokens)
-            self.policy.record_step(plan, output, (target + draft) * noise, draft * noise)
+            self.policy.record_step(plan, output, (target + draft) * noise, draft * noise, calibration)
             self.tokens += sum(map(len, emitted))
             self.seconds += target + draft
             chosen.append(k)
@@ -237,20 +238,41 @@ def test_no_exploration_where_even_a_perfect_drafter_could_not_pay():
 def test_drafting_never_observed_at_this_many_rows_is_explored_once():
     """Drafting priced from steps of a few rows is an extrapolation at many more (the engine's calibration drafts at
     <= 5 rows; at batch 32 MTP's K = 1 was priced 1.48x its cost and, could_pay saying no, never explored): a batch
-    of more than twice the rows drafting was ever observed at explores once, on the usual wait, even where no K
-    could pay at those prices, and its fits are re-solved with the exploration's steps before the verdict."""
+    of more than twice (or under half) the rows any served step drafted at explores once, on the usual wait, even
+    where no K could pay at those prices, and its fits are re-solved with the exploration's steps before the
+    verdict."""
     costly = {"base": 0.001, "per_token": 0.002, "draft_base": 0.0005, "per_draft": 0.01}
     policy = SpecPolicy(K_MAX)
     Simulation(policy, batch=2, seed=8).run(World(0.9, **costly), 60)  # drafting observed at 2 rows
-    assert policy._drafted_rows == 2
+    assert policy._drafted_rows == {2}
     fits = policy.draft.num_fits
     chosen = Simulation(policy, batch=16, seed=8).run(World(0.9, **costly), 200)
     starts = [i for i in range(len(chosen)) if chosen[i] and (i == 0 or not chosen[i - 1])]
     assert len(starts) == 1 and starts[0] <= 16 + 2, f"K > 0 at {[i for i, k in enumerate(chosen) if k]}"
-    assert policy._drafted_rows == 16 and policy.draft.num_fits > fits
+    assert policy._drafted_rows == {2, 16} and policy.draft.num_fits > fits
     seen = SpecPolicy(K_MAX)
     Simulation(seen, batch=16, seed=8).run(World(0.9, **costly), 40)  # its first K sweep drafts at 16 rows
     assert not any(Simulation(seen, batch=16, seed=8).run(World(0.9, **costly), 200)), "16 rows seen: no exploring"
+
+
+def test_drafting_priced_only_by_the_calibration_is_explored_and_its_steps_decide() -> None:
+    """The calibration's steps (a prior) price a draft pass 4.5x what served batches of 8 pay (on the avx2
+    dev machine MTP's calibration priced K = 1 at batch 8 26% high, and "auto" never explored it even at optimistic
+    acceptance, running K = 0 at 0.83x a fixed K = 1 engine): no served step has drafted at 8 rows, so the policy
+    explores on the usual wait, and the exploration's steps, not the prior, give the verdict: it drafts from then
+    on. Priced by the calibration, K = 1 would not pay even at optimistic acceptance (could_pay says no)."""
+    true, calibration = World(0.75, per_token=0.0004), World(0.75, per_token=0.0004, per_draft=0.009)
+    assert true.best_k(8) >= 1 and true.rate(8, 1) > 1.2 * true.rate(8, 0)
+    policy = SpecPolicy(K_MAX)
+    for batch in (1, 4, 1, 4):  # the calibration's sweeps: every K, at 1 and 4 rows
+        Simulation(policy, batch, seed=batch).run(calibration, 2 * (K_MAX + 1), calibration=True)
+    assert policy.target.ready and policy.draft.ready and not policy._drafted_rows
+    running = [RunningRow(f"r{i}", 100, 1) for i in range(8)]
+    emitted, seconds = policy.expected(running)
+    assert not policy.could_pay(running, emitted[0] / seconds[0]), "the prior prices drafting out of reach"
+    chosen = Simulation(policy, batch=8, seed=3).run(true, 120)
+    assert sum(k > 0 for k in chosen[40:]) >= 70, f"K > 0 at {[i for i, k in enumerate(chosen) if k]}"
+    assert 0 < chosen.index(1) <= 16 + 2, chosen[:20]
 
 
 def test_an_exploration_that_finds_the_estimate_stale_runs_on():

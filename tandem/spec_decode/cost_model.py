@@ -261,6 +261,10 @@ class LinearCostModel:
         if self._pending:
             self.refit()
 
+    def fade_prior(self) -> None:
+        """Served steps now cover what the prior priced: let them decide at the next fit (MIN_PRIOR_SCALE)."""
+        self.prior_scale = MIN_PRIOR_SCALE
+
     @property
     def ready(self) -> bool:
         return self.num_observations >= self.refresh_every

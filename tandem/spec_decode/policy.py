@@ -28,8 +28,10 @@ with nothing to correct it. Probes rotate over K = 0 and one K either side of th
 observes none of the draft passes a higher K adds, whose prices otherwise stay what calibration made them.
 A switch of K discards the pending drafts, so K changes only for a gain above `switch_margin` (a third of it for a
 move up between drafting Ks, which discards nothing).
-A batch of more than twice the rows drafting was ever observed at explores once on the usual wait whatever
-could_pay says (its drafting prices are extrapolated), and the fits are re-solved before an exploration's verdict.
+A batch of a size no served step drafted at (within 2x) explores once, on the usual wait, whatever could_pay says:
+its drafting prices are the calibration's extrapolation. The fits are re-solved before an
+exploration's verdict, and after such a first exploration with the calibration's prior faded out, so the steps
+just served decide.
 An exploration whose first drafts were accepted far above the estimate it began with runs on (`_extends`).
 What the policy itself costs is paid by every step: a K = 0 decision over the same decode rows is held for HOLD
 steps without pricing, and prices are reused for REPRICE_EVERY steps.
@@ -74,6 +76,11 @@ REPRICE_EVERY = 4
 HOLD = 8
 # (every step still feeds the cost fit: fed one held step in 4, the fits moved enough that "auto" came back to
 # drafting after a drafter's bad stretch in 4 of 8 synthetic streams, against 7 of 8 unthinned)
+# An exploration at a size no served step drafted at runs this many steps more, and its fits skip its first this many:
+# those carry one-time costs (the catch-up of every deferred token, first calls at new sizes) and would otherwise
+# be the only served evidence once the prior fades. MTP at batch 8 on GSM8K: the first K = 1 steps took 37.5 and 30.7
+# ms (draft 25.0 and 11.3), steady ones ~16.6 (draft ~3.5), and K = 1 was priced 31 ms from them
+COLD_STEPS = 2
 EXTEND_GAP = 0.3  # an exploration extends where its first drafts were accepted this much above the estimate
 MAX_EXTENSIONS = 3  # (_extends)
 
@@ -124,7 +131,10 @@ class SpecPolicy:
         self._explored = [0, 0]  # the exploration's verified first drafts: accepted, tried
         self._explore_prior = 0.0  # the global first-draft acceptance estimate when it began
         self._extensions = 0  # times this exploration was extended
-        self._drafted_rows = 0  # the most sampling rows of any drafting step observed (calibration's included)
+        self._fade_at_verdict = False  # the exploration running is the first at its shape
+        self._unobserved = 0  # steps still to run whose costs the fits skip (COLD_STEPS)
+        self._unserved_ks: set[int] = set()  # Ks no served step ran since the prior faded: moved up to by a probe
+        self._drafted_rows: set[int] = set()  # the sampling rows of every served step that drafted
         self._last_k = 0
         self.last_seconds = np.zeros(max_k + 1)  # [K_max + 1] predicted seconds of the last decode step's choice
         self._priced: tuple[np.ndarray, np.ndarray] = (np.zeros(0), np.zeros(0))  # the last `expected`, its rows
@@ -176,8 +186,17 @@ class SpecPolicy:
         probed = self._resume_k is not None and not self._probe_left
         if verdict or probed:  # an exploration's or probe's verdict: priced with its steps in the fits (they
             self._refit_due = False  # refit every 8th observation: a probe up's draft decodes would wait)
-            self.target.refresh()
-            self.draft.refresh()
+            for model in (self.target, self.draft):
+                if verdict and self._fade_at_verdict:  # the first served steps of drafting at this shape decide
+                    model.fade_prior()
+                    model.refit()
+                    # the draft decodes of K >= 2 are now priced by what served steps ran of them (the ridge's
+                    # ~0 where none): a move up to such a K runs as a probe first (at batch 8 MTP went K = 1 -> 3
+                    # at once, its decodes unpriced, and stayed there at ~0.9x K = 1's rate)
+                    self._unserved_ks = set(range(2, self.max_k + 1))
+                else:
+                    model.refresh()
+            self._fade_at_verdict = False
         emitted, seconds = self._prices(running)
         self.last_seconds = seconds  # the prices of this choice, for benchmarks' traces
         if not (self.target.ready and self.draft.ready):
@@ -207,13 +226,18 @@ class SpecPolicy:
         elif best == 0:
             self.steps_drafting, self.probe_after = 0, self.base_explore_after
             self.steps_at_zero += 1
-            # acceptance is stale: draft two steps to refresh it, where a K >= 1 could pay at all or drafting was
-            # never observed at about this many rows (its prices there are extrapolated: at batch 32, MTP's K = 1
-            # was priced 1.48x its cost from calibration steps of at most 5 rows, and never explored), or in any
-            # case after max_explore_after steps (the fitted costs of drafting, unobserved at K = 0, go stale too)
-            if self.steps_at_zero >= self.max_explore_after or (self.steps_at_zero >= self.explore_after and (
-                    self.could_pay(running, rate[0]) or len(running) > 2 * self._drafted_rows)):
+            # acceptance is stale: draft two steps to refresh it, where a K >= 1 could pay at all or drafting's
+            # price here has no served steps behind it (an extrapolation from the calibration: at batch 32, MTP's
+            # K = 1 was priced 1.48x its cost from calibration steps of at most 5 rows, and never explored), or in
+            # any case after max_explore_after steps (the fitted costs of drafting, unobserved at K = 0, go stale)
+            due = self.steps_at_zero >= self.explore_after
+            extrapolated = due and not self.could_pay(running, rate[0]) and self._extrapolated(running)
+            if self.steps_at_zero >= self.max_explore_after or (due and (extrapolated or self.could_pay(
+                    running, rate[0]))):
+                self._fade_at_verdict = extrapolated
                 self.steps_at_zero, self._explore_left, self._exploring = 0, 1, True
+                if extrapolated:  # its steps will price drafting here alone: two more, past the one-time costs
+                    self._explore_left, self._unobserved = 1 + COLD_STEPS, COLD_STEPS
                 self._explored, self._extensions = [0, 0], 0
                 self._explore_prior = float(self.accept.global_estimate()[0])
                 # a near tie keeps the wait, exploring it costs little; not where MTP defers step 0: each exploration
@@ -238,7 +262,9 @@ class SpecPolicy:
                 # keeps it, or every batch would explore afresh at 16 steps
                 self.explore_after = self.base_explore_after
             self.steps_drafting += 1
-            if self.steps_drafting >= self.probe_after:  # measure K = 0 again: two steps, as an exploration
+            if best > self._last_k and best in self._unserved_ks:  # a probe up, then the choice with its steps
+                self._probe_k, self._probe_left, self._resume_k = best, 1, self._last_k
+            elif self.steps_drafting >= self.probe_after:  # measure K = 0 again: two steps, as an exploration
                 # probes rotate over K = 0, K + 1 and K - 1: a run at one K observes none of the draft decodes a
                 # higher K adds (at batch 1 MTP's K = 3 stayed priced at 16.1 ms a step, where fixed it ran 12.4 ms
                 # and paid 1.21x no-spec, while "auto" ran K = 1 at 0.86x it), and a K below drifts unobserved too
@@ -278,6 +304,15 @@ class SpecPolicy:
             self._priced_age += 1
         return self._priced
 
+    def _extrapolated(self, running: list[RunningRow]) -> bool:
+        """Whether no served step drafted at half to twice these rows: the prices of drafting here are the
+        calibration's (a bucket by context too explored every ~1.4x a context grew, where the fitted context terms
+        carry). At 5-shot GSM8K, batch 8, MTP's calibration (64-token rows and one 1,024-key row, <= 5 rows)
+        priced K = 1's step 26% high (verification at ~2 us a key, where 8 rows behind a shared prefix paid ~0.15 ms
+        a row in all), so even at optimistic acceptance K = 1 never looked worth exploring, and "auto" ran K = 0 at
+        0.83x the fixed K = 1 engine."""
+        return not any(len(running) <= 2 * rows and rows <= 2 * len(running) for rows in self._drafted_rows)
+
     def could_pay(self, running: list[RunningRow], rate_k0: float) -> bool:
         """Whether some K >= 1 beats K = 0's rate by the switch margin at optimistic acceptance (EXPLORE_OPTIMISM;
         the drafter's fill rates as estimated): what an exploration could plausibly find."""
@@ -312,6 +347,13 @@ class SpecPolicy:
         `optimism`: each acceptance estimate moved that share of the way to 1 (1: every draft accepted).
         Vectorised over the rows (the plain per-row sum is tests/test_spec_policy.py's reference): at batch 64 a
         per-row loop cost ~3 ms a step, a few % of the step it chooses for."""
+        emitted, target, draft = self._design(running, optimism)
+        return emitted, target @ self.target.coef + draft @ self.draft.coef
+
+    def _design(self, running: list[RunningRow], optimism: float = 0.0
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`expected`'s parts: expected emitted tokens [K_max + 1], and the target's and the drafter's features of
+        the next step at each K, [K_max + 1, len(TARGET_TERMS)] and [K_max + 1, len(DRAFT_TERMS)]."""
         decode = [r for r in running if r.num_new_tokens <= 1]
         prompt_tokens = sum(r.num_new_tokens for r in running if r.num_new_tokens > 1)  # cost independent of K
         prompt_keys = sum(attended_keys(r.num_new_tokens, r.num_tokens - r.num_new_tokens)
@@ -350,7 +392,7 @@ class SpecPolicy:
         first_context = int(context.sum()) - dup if self.first_reads_shared_once else per_row
         draft = np.array((step0 * ones, tokens * step0, keys * step0, drafting * ones, sampling * drafting,
                           first_context * drafting, decodes * ones, sampling * decodes, per_row * decodes)).T
-        return num_emitted, target @ self.target.coef + draft @ self.draft.coef
+        return num_emitted, target, draft
 
     def _commit(self, k: int, predicted: float) -> int:
         self.chosen[k] += 1
@@ -365,11 +407,15 @@ class SpecPolicy:
         step (synthetic, at start-up) teaches the cost models as a prior (LinearCostModel.observe_prior) and no
         acceptance. A step of a held K = 0 decision has no verification to learn acceptance from."""
         held = self._held and not calibration
-        self._observe_costs(plan, output, step_s, draft_s, calibration)
+        if self._unobserved and not calibration:
+            self._unobserved -= 1
+        else:
+            self._observe_costs(plan, output, step_s, draft_s, calibration)
         step0 = STEP0_DEFERRED not in output.draft_stats  # the drafter says whether it ran its per-step pass
         sampling_rows = [row for row in plan.rows if row.sampling is not None]
-        if plan.num_spec_tokens:
-            self._drafted_rows = max(self._drafted_rows, len(sampling_rows))
+        if plan.num_spec_tokens and not calibration:
+            self._drafted_rows.add(len(sampling_rows))
+            self._unserved_ks.difference_update(range(plan.num_spec_tokens + 1))
         emitted = [len(ids) for ids in output.sampled_token_ids[: len(sampling_rows)]]
         if self.costly_catch_up:  # tokens each request has deferred since its step 0 last ran
             for row, n in zip(sampling_rows, emitted, strict=True):

@@ -9,8 +9,10 @@ Prompts: `gsm8k` = 5-shot GSM8K test prompts (benchmarks/spec_decode.py's), gene
 end; `long` = such prompts, each prefixed with other 5-shot prompts up to about --long-len tokens (the model is
 copied to a temporary folder with max_position_embeddings raised to fit; weights untouched). DSpark runs only on
 the bundled model (its drafter). Each config of a point has its own engine, all alive at once: each runs the
-batch once as a warm-up (prefix caching on, so the timed runs measure decoding), then --repeats rounds time every
-engine in turn and each reports its best round, so a drift of a shared machine's speed hits all configs alike.
+batch once as a warm-up (prefix caching on, so the timed runs measure decoding), then in each of --repeats rounds
+every engine gets the batch and the engines take turns of --interleave steps (default 8; each engine's time is the
+sum of its own steps), and each reports its best round, so a drift of a shared machine's speed hits all configs
+alike (--interleave 0: each engine runs its whole batch in its turn, as before 2026-12-04's eighteenth session).
 Beside best-against-best, the verdict prints "paired" figures: the median over rounds of auto's tok/s over each
 config's in the same round (the minimum over configs is "paired best"), and the twin's paired offset.
 "auto" also reports the K it chose (histogram over all its steps) and its predicted / realised emitted tokens,
@@ -87,12 +89,14 @@ def run_point(model: str, configs: dict[str, dict | None], texts: list[str], arg
             if llm.engine.policy is not None:
                 traces[name] = trace_choices(llm.engine.policy)
         for _ in range(args.repeats):
+            walls = interleaved_round(engines, texts, params, args.interleave) if args.interleave else {}
             for name, llm in engines.items():
-                start = time.perf_counter()
-                outs = llm.generate(texts, params, use_tqdm=False)
-                wall = time.perf_counter() - start
+                if not args.interleave:
+                    start = time.perf_counter()
+                    outs = llm.generate(texts, params, use_tqdm=False)
+                    walls[name] = time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outs)
+                wall, tokens[name] = walls[name]
                 best[name] = min(best[name], wall)
-                tokens[name] = sum(len(o.outputs[0].token_ids) for o in outs)
                 rounds[name].append(tokens[name] / wall)
         results = {}
         for name, llm in engines.items():
@@ -114,6 +118,37 @@ def run_point(model: str, configs: dict[str, dict | None], texts: list[str], arg
     finally:
         for llm in engines.values():
             llm.shutdown()
+
+
+def interleaved_round(engines: dict[str, LLM], texts: list[str], params: SamplingParams, chunk: int
+                      ) -> dict[str, tuple[float, int]]:
+    """One round with the engines' steps interleaved: every engine gets the batch, then they take turns of `chunk`
+    steps each (the first turn rotating) until all are done; each engine's wall is the sum of its own steps' times
+    (and its requests' admission). The machine's speed drifts on the scale of a second (a whole 2 s run of one
+    engine's ops read 25% slower than the next engine's), so whole-run turns put that drift between configs; turns
+    of a few steps share it. Returns name -> (seconds, output tokens)."""
+    walls = dict.fromkeys(engines, 0.0)
+    emitted = dict.fromkeys(engines, 0)
+    for name, llm in engines.items():
+        start = time.perf_counter()
+        for text in texts:
+            llm.engine.add_request(text, params)
+        walls[name] += time.perf_counter() - start
+    names, turn = list(engines), 0
+    while True:
+        live = [n for n in names if engines[n].engine.has_unfinished_requests()]
+        if not live:
+            return {n: (walls[n], emitted[n]) for n in names}
+        for name in live[turn % len(live):] + live[: turn % len(live)]:
+            engine = engines[name].engine
+            for _ in range(chunk):
+                if not engine.has_unfinished_requests():
+                    break
+                start = time.perf_counter()
+                outs = engine.step()
+                walls[name] += time.perf_counter() - start
+                emitted[name] += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
+        turn += 1
 
 
 # one choice of "auto": running rows, new batch, chosen K, predicted seconds at every K, measured step seconds
@@ -179,6 +214,9 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds per point; each config's best is reported")
     p.add_argument("--kv-cache-gib", type=float, default=0.25, help="KV cache per engine (a point's engines coexist)")
+    p.add_argument("--interleave", type=int, default=8,
+                   help="timed rounds interleave the engines' steps in turns of this many (interleaved_round); 0: "
+                        "each engine runs its whole batch in its turn")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     info = machine_info()

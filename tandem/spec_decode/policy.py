@@ -29,9 +29,8 @@ observes none of the draft passes a higher K adds, whose prices otherwise stay w
 A switch of K discards the pending drafts, so K changes only for a gain above `switch_margin` (a third of it for a
 move up between drafting Ks, which discards nothing).
 A batch of a size no served step drafted at (within 2x) explores once, on the usual wait, whatever could_pay says:
-its drafting prices are the calibration's extrapolation. The fits are re-solved before an
-exploration's verdict, and after such a first exploration with the calibration's prior faded out, so the steps
-just served decide.
+its drafting prices are the calibration's extrapolation. The fits are re-solved before an exploration's verdict,
+and after such a first exploration with the calibration's prior faded out, so the steps just served decide.
 An exploration whose first drafts were accepted far above the estimate it began with runs on (`_extends`).
 What the policy itself costs is paid by every step: a K = 0 decision over the same decode rows is held for HOLD
 steps without pricing, and prices are reused for REPRICE_EVERY steps.
@@ -187,15 +186,16 @@ class SpecPolicy:
         if verdict or probed:  # an exploration's or probe's verdict: priced with its steps in the fits (they
             self._refit_due = False  # refit every 8th observation: a probe up's draft decodes would wait)
             for model in (self.target, self.draft):
-                if verdict and self._fade_at_verdict:  # the first served steps of drafting at this shape decide
+                if verdict and self._fade_at_verdict:  # the first served steps of drafting at this size decide
                     model.fade_prior()
                     model.refit()
-                    # the draft decodes of K >= 2 are now priced by what served steps ran of them (the ridge's
-                    # ~0 where none): a move up to such a K runs as a probe first (at batch 8 MTP went K = 1 -> 3
-                    # at once, its decodes unpriced, and stayed there at ~0.9x K = 1's rate)
-                    self._unserved_ks = set(range(2, self.max_k + 1))
                 else:
                     model.refresh()
+            if verdict and self._fade_at_verdict:
+                # the draft decodes of K >= 2, which the exploration (K = 1) did not run, are now priced by the
+                # faded prior and whatever served steps ran of them: a move up to such a K runs as a probe first
+                # (batch-8 MTP went K = 1 -> 3 at once and stayed there, at 0.87x and 0.81x the best in two runs)
+                self._unserved_ks = set(range(2, self.max_k + 1))
             self._fade_at_verdict = False
         emitted, seconds = self._prices(running)
         self.last_seconds = seconds  # the prices of this choice, for benchmarks' traces
@@ -308,9 +308,9 @@ class SpecPolicy:
         """Whether no served step drafted at half to twice these rows: the prices of drafting here are the
         calibration's (a bucket by context too explored every ~1.4x a context grew, where the fitted context terms
         carry). At 5-shot GSM8K, batch 8, MTP's calibration (64-token rows and one 1,024-key row, <= 5 rows)
-        priced K = 1's step 26% high (verification at ~2 us a key, where 8 rows behind a shared prefix paid ~0.15 ms
-        a row in all), so even at optimistic acceptance K = 1 never looked worth exploring, and "auto" ran K = 0 at
-        0.83x the fixed K = 1 engine."""
+        priced K = 1's step 26% high (verification at ~1.1 us a verified key, where 8 rows behind a shared prefix
+        paid ~0.15 ms a row in all), so even at optimistic acceptance K = 1 never looked worth exploring, and
+        "auto" ran K = 0 at 0.83x the fixed K = 1 engine."""
         return not any(len(running) <= 2 * rows and rows <= 2 * len(running) for rows in self._drafted_rows)
 
     def could_pay(self, running: list[RunningRow], rate_k0: float) -> bool:
@@ -347,13 +347,6 @@ class SpecPolicy:
         `optimism`: each acceptance estimate moved that share of the way to 1 (1: every draft accepted).
         Vectorised over the rows (the plain per-row sum is tests/test_spec_policy.py's reference): at batch 64 a
         per-row loop cost ~3 ms a step, a few % of the step it chooses for."""
-        emitted, target, draft = self._design(running, optimism)
-        return emitted, target @ self.target.coef + draft @ self.draft.coef
-
-    def _design(self, running: list[RunningRow], optimism: float = 0.0
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """`expected`'s parts: expected emitted tokens [K_max + 1], and the target's and the drafter's features of
-        the next step at each K, [K_max + 1, len(TARGET_TERMS)] and [K_max + 1, len(DRAFT_TERMS)]."""
         decode = [r for r in running if r.num_new_tokens <= 1]
         prompt_tokens = sum(r.num_new_tokens for r in running if r.num_new_tokens > 1)  # cost independent of K
         prompt_keys = sum(attended_keys(r.num_new_tokens, r.num_tokens - r.num_new_tokens)
@@ -392,7 +385,7 @@ class SpecPolicy:
         first_context = int(context.sum()) - dup if self.first_reads_shared_once else per_row
         draft = np.array((step0 * ones, tokens * step0, keys * step0, drafting * ones, sampling * drafting,
                           first_context * drafting, decodes * ones, sampling * decodes, per_row * decodes)).T
-        return num_emitted, target, draft
+        return num_emitted, target @ self.target.coef + draft @ self.draft.coef
 
     def _commit(self, k: int, predicted: float) -> int:
         self.chosen[k] += 1

@@ -130,7 +130,7 @@ class SpecPolicy:
         self._explored = [0, 0]  # the exploration's verified first drafts: accepted, tried
         self._explore_prior = 0.0  # the global first-draft acceptance estimate when it began
         self._extensions = 0  # times this exploration was extended
-        self._fade_at_verdict = False  # the exploration running is the first at its shape
+        self._fade_at_verdict = False  # the exploration running is the first at its batch size
         self._unobserved = 0  # steps still to run whose costs the fits skip (COLD_STEPS)
         self._unserved_ks: set[int] = set()  # Ks no served step ran since the prior faded: moved up to by a probe
         self._drafted_rows: set[int] = set()  # the sampling rows of every served step that drafted
@@ -185,13 +185,14 @@ class SpecPolicy:
         probed = self._resume_k is not None and not self._probe_left
         if verdict or probed:  # an exploration's or probe's verdict: priced with its steps in the fits (they
             self._refit_due = False  # refit every 8th observation: a probe up's draft decodes would wait)
+            fade = verdict and self._fade_at_verdict  # the first served steps of drafting at this size decide
             for model in (self.target, self.draft):
-                if verdict and self._fade_at_verdict:  # the first served steps of drafting at this size decide
+                if fade:
                     model.fade_prior()
                     model.refit()
                 else:
                     model.refresh()
-            if verdict and self._fade_at_verdict:
+            if fade:
                 # the draft decodes of K >= 2, which the exploration (K = 1) did not run, are now priced by the
                 # faded prior and whatever served steps ran of them: a move up to such a K runs as a probe first
                 # (batch-8 MTP went K = 1 -> 3 at once and stayed there, at 0.87x and 0.81x the best in two runs)
@@ -230,10 +231,10 @@ class SpecPolicy:
             # price here has no served steps behind it (an extrapolation from the calibration: at batch 32, MTP's
             # K = 1 was priced 1.48x its cost from calibration steps of at most 5 rows, and never explored), or in
             # any case after max_explore_after steps (the fitted costs of drafting, unobserved at K = 0, go stale)
-            due = self.steps_at_zero >= self.explore_after
-            extrapolated = due and not self.could_pay(running, rate[0]) and self._extrapolated(running)
-            if self.steps_at_zero >= self.max_explore_after or (due and (extrapolated or self.could_pay(
-                    running, rate[0]))):
+            # (could_pay once a step: its reused prices age by call)
+            pays = self.steps_at_zero >= self.explore_after and self.could_pay(running, rate[0])
+            extrapolated = self.steps_at_zero >= self.explore_after and not pays and self._extrapolated(running)
+            if self.steps_at_zero >= self.max_explore_after or pays or extrapolated:
                 self._fade_at_verdict = extrapolated
                 self.steps_at_zero, self._explore_left, self._exploring = 0, 1, True
                 if extrapolated:  # its steps will price drafting here alone: two more, past the one-time costs
@@ -306,11 +307,12 @@ class SpecPolicy:
 
     def _extrapolated(self, running: list[RunningRow]) -> bool:
         """Whether no served step drafted at half to twice these rows: the prices of drafting here are the
-        calibration's (a bucket by context too explored every ~1.4x a context grew, where the fitted context terms
-        carry). At 5-shot GSM8K, batch 8, MTP's calibration (64-token rows and one 1,024-key row, <= 5 rows)
-        priced K = 1's step 26% high (verification at ~1.1 us a verified key, where 8 rows behind a shared prefix
-        paid ~0.15 ms a row in all), so even at optimistic acceptance K = 1 never looked worth exploring, and
-        "auto" ran K = 0 at 0.83x the fixed K = 1 engine."""
+        calibration's. Rows only: a context-length bucket as well (tried) re-explored each time a context grew
+        ~1.4x, where the fitted context terms already carry the change. At 5-shot GSM8K, batch 8, MTP's
+        calibration (64-token rows and one 1,024-key row, <= 5 rows) priced K = 1's step 26% high (verification
+        at ~1.1 us a verified key, where 8 rows behind a shared prefix paid ~0.15 ms a row in all), so even at
+        optimistic acceptance K = 1 never looked worth exploring, and "auto" ran K = 0 at 0.83x the fixed K = 1
+        engine."""
         return not any(len(running) <= 2 * rows and rows <= 2 * len(running) for rows in self._drafted_rows)
 
     def could_pay(self, running: list[RunningRow], rate_k0: float) -> bool:

@@ -7,11 +7,11 @@ where shape(K) holds the running requests' rows with 1 + E[drafts] tokens each a
 runs what a drafter must do to keep its own KV current (DSpark's context); MTP defers its step 0 of a decode step
 at K = 0 to the next step that drafts (mtp_catch_up.py). The draft model prices what each K measured.
 
-Acceptance is observed only while drafting, so after `explore_after` steps at K = 0 the policy drafts at K = 1
-for two steps (one proposes, the next verifies) to refresh it; each exploration that does not switch drafting back
-on doubles the wait (up to `max_explore_after`), so a drafter that never pays costs two cheap steps in that many,
-unless drafting was priced within NEAR_TIE of K = 0 (a near tie is explored every `explore_after` steps, except
-where MTP defers its step 0, whose every exploration pays the catch-up of the deferred tokens).
+Acceptance is observed only while drafting, so after `explore_after` steps at K = 0 the policy drafts at the K >= 1
+priced best for two steps (one proposes, the next verifies) to refresh it; each exploration that does not switch
+drafting back on doubles the wait (up to `max_explore_after`), so a drafter that never pays costs two cheap steps in
+that many, unless drafting was priced within NEAR_TIE of K = 0 (a near tie is explored every `explore_after` steps,
+except where MTP defers its step 0, whose every exploration pays the catch-up of the deferred tokens).
 An exploration runs only where drafting could pay: some K >= 1 beats K = 0 with each draft position's rejection
 rate halved (EXPLORE_OPTIMISM: the estimates may be stale, but not by that much: at long contexts and large
 batches verification tokens cost more than even a much better drafter would save, and an exploration there, with
@@ -56,6 +56,8 @@ from tandem.spec_decode.cost_model import (
     StepShape,
     attended_keys,
     duplicate_keys,
+    duplicate_keys_of,
+    shared_blocks,
 )
 
 # an exploration while the best K >= 1 is priced within this fraction of K = 0's rate does not double the wait for
@@ -125,6 +127,7 @@ class SpecPolicy:
         self.realised_emitted = 0
         self._pending_prediction: float | None = None
         self._explore_left = 0  # exploration steps still to run: one proposes, the next verifies
+        self._explore_k = 1  # the K the exploration running drafts at
         self._refit_due = False  # an exploration just ended: re-solve the fits with its steps before its verdict
         self._exploring = False  # this step is an exploration's
         self._explored = [0, 0]  # the exploration's verified first drafts: accepted, tried
@@ -216,14 +219,14 @@ class SpecPolicy:
             best = self._last_k  # a switch discards the pending drafts: only a clear gain is worth it
         if self._explore_left:
             self._explore_left -= 1
-            best = max(best, 1)
+            best = best or self._explore_k
             self._refit_due = not self._explore_left
             self._exploring = True
         elif self._probe_left:
             self._probe_left -= 1
             best = self._probe_k
         elif best == 0 and verdict and self._extends():
-            self._explore_left, self._exploring, best = 1, True, 1
+            self._explore_left, self._exploring, best = 1, True, self._explore_k
         elif best == 0:
             self.steps_drafting, self.probe_after = 0, self.base_explore_after
             self.steps_at_zero += 1
@@ -246,7 +249,12 @@ class SpecPolicy:
                 if self.costly_catch_up or rate[1:].max() < NEAR_TIE * rate[0]:
                     self.explore_after = min(2 * self.explore_after, self.max_explore_after)
                 self._explored_rows = len(running)
-                best = 1
+                # explore at the drafting K priced best, not always K = 1: DSpark's block drafter costs the same
+                # pass at every K, so its K = 1 is its worst (0.89x no-spec at batch 8, K = 3 1.0-1.14x) and a near
+                # tie explored there every 16 steps cost "auto" ~5% against no-spec. A first exploration at a size
+                # (its prices the calibration's) runs K = 1, the cheapest drafting step; the probe up takes it on
+                self._explore_k = 1 if extrapolated else 1 + int(np.argmax(rate[1:]))
+                best = self._explore_k
             elif self._last_k == 0 and all(r.num_new_tokens == 1 for r in running):
                 # K = 0 stays: hold it over the same decode rows up to the next step an exploration can fall due at
                 # (explore_after; past it, where could_pay said no, max_explore_after)
@@ -355,13 +363,14 @@ class SpecPolicy:
                           for r in running if r.num_new_tokens > 1)
         long_prompt = any(r.num_new_tokens > self.max_deferred_tokens for r in running)  # runs step 0 at K = 0
         ids = [r.request_id for r in decode]
-        context = np.array([r.num_tokens for r in decode], dtype=np.float64)  # [R]
+        context_list = [r.num_tokens for r in decode]
+        context = np.array(context_list, dtype=np.float64)  # [R]
         fill = self.fill.estimates(ids)  # [R, K_max]
         accept = self.accept.estimates(ids)  # [R, K_max]
         accept = accept + optimism * (1.0 - accept)
         emitted, drafts = expected_lengths_by_k(accept, fill)  # [R, K_max + 1] each
         # a key that several rows read through shared blocks counts once (cost_model.duplicate_keys)
-        dup = duplicate_keys(((r.block_ids, r.num_tokens) for r in decode), self.block_size)
+        dup = duplicate_keys_of(shared_blocks([r.block_ids for r in decode]), context_list, self.block_size)
         verifying = float(fill[:, 0].sum())
         verifying_context = float(fill[:, 0] @ context) - dup * verifying / max(len(decode), 1)
         # keys read: every row's context once (a prompt chunk's start + n, a decode row's context and its drafts)
@@ -479,12 +488,15 @@ def step_shape(plan: StepPlan, output: StepOutput, block_size: int = 16) -> Step
     rows = plan.rows
     keys = sum(attended_keys(len(r.token_ids), r.num_computed_tokens) for r in rows)
     sampling = [r for r in rows if r.sampling is not None]
-    per_row = sum(r.num_computed_tokens + len(r.token_ids) for r in sampling)
-    context = per_row - duplicate_keys(((r.block_ids, r.num_computed_tokens + len(r.token_ids)) for r in sampling),
-                                       block_size)
+    contexts = [r.num_computed_tokens + len(r.token_ids) for r in sampling]
+    shared = shared_blocks([r.block_ids for r in sampling])  # one comparison a row serves every context below
+    per_row = sum(contexts)
+    context = per_row - duplicate_keys_of(shared, contexts, block_size)
     verifying = [r for r in sampling if r.num_draft_tokens]
-    verifying_context = sum(r.num_computed_tokens + 1 for r in verifying) - duplicate_keys(
-        ((r.block_ids, r.num_computed_tokens + 1) for r in verifying), block_size)
+    verifying_starts = [r.num_computed_tokens + 1 for r in verifying]
+    verifying_context = sum(verifying_starts) - (
+        duplicate_keys_of(shared, verifying_starts, block_size) if len(verifying) == len(sampling) else
+        duplicate_keys(((r.block_ids, n) for r, n in zip(verifying, verifying_starts, strict=True)), block_size))
     emitted = sum(map(len, output.sampled_token_ids))
     # keys read: every row's context once; at a decode step every row samples, and that is `context` again
     read = context if len(sampling) == len(rows) else sum(

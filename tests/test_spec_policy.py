@@ -1056,6 +1056,29 @@ def test_a_near_tie_is_explored_at_the_drafting_k_priced_best() -> None:
         assert 1 not in chosen, f"K = 1 at steps {[i for i, k in enumerate(chosen) if k == 1]}"
 
 
+@pytest.mark.parametrize("per_token_s,decode_s,explored_k", [(0.0015, 0.0, K_MAX), (0.0012, 0.002, 1)])
+def test_an_exploration_drafts_at_a_higher_k_only_where_its_draft_passes_cost_no_more(per_token_s, decode_s,
+                                                                                      explored_k):
+    """K = 0 priced best, K >= 3 best of the drafting Ks: a drafter whose draft passes cost the same at every K (a
+    block drafter, n-gram) explores at the best; one that adds a draft decode a K (MTP: 0.002 s on a ~0.035 s step
+    here) explores at K = 1, its cheapest drafting step (explored at a K >= 2 priced on stale terms, MTP stayed
+    there at 0.81x the best at batch 1)."""
+    policy = SpecPolicy(K_MAX, explore_after=4)
+    target = {"base": 0.010, "per_row": 0.001, "per_extra_token": per_token_s}
+    draft = {"first": 0.008, "decode": decode_s}
+    for model, coef in ((policy.target, target), (policy.draft, draft)):
+        model.coef = np.array([coef.get(t, 0.0) for t in model.terms])
+        model.num_observations = model.refresh_every
+    policy.accept.global_succ, policy.accept.global_trials = [90.0] * K_MAX, [100.0] * K_MAX
+    running = [RunningRow(f"r{i}", 100, 1) for i in range(8)]
+    emitted, seconds = policy.expected(running)
+    rate = emitted / seconds
+    assert int(np.argmax(rate)) == 0 and int(np.argmax(rate[1:])) + 1 >= 3 and rate[1] < rate[3], rate
+    policy._last_k = 0
+    first = next(k for k in (policy.choose(running) for _ in range(40)) if k)
+    assert first == explored_k
+
+
 @pytest.mark.parametrize("first_draft_s,k", [(0.0039, 0), (0.003, 1)])
 def test_a_new_batch_starts_drafting_only_for_the_switch_margin(first_draft_s, k):
     """A new batch's K is priced at acceptance learnt on the last batch (its tail, often): drafting starts there

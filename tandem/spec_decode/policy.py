@@ -82,6 +82,9 @@ HOLD = 8
 # be the only served evidence once the prior fades. MTP at batch 8 on GSM8K: the first K = 1 steps took 37.5 and 30.7
 # ms (draft 25.0 and 11.3), steady ones ~16.6 (draft ~3.5), and K = 1 was priced 31 ms from them
 COLD_STEPS = 2
+# an exploration drafts at the K priced best of those whose draft passes add at most this share of a K = 1 step to
+# K = 1's (_exploring_k): a block drafter's every K, n-gram's, not MTP's draft decodes (~12% of a step each)
+CHEAP_DRAFT = 0.05
 EXTEND_GAP = 0.3  # an exploration extends where its first drafts were accepted this much above the estimate
 MAX_EXTENSIONS = 3  # (_extends)
 
@@ -128,6 +131,7 @@ class SpecPolicy:
         self._pending_prediction: float | None = None
         self._explore_left = 0  # exploration steps still to run: one proposes, the next verifies
         self._explore_k = 1  # the K the exploration running drafts at
+        self._draft_seconds = np.zeros(max_k + 1)  # the draft share of the last `expected` seconds
         self._refit_due = False  # an exploration just ended: re-solve the fits with its steps before its verdict
         self._exploring = False  # this step is an exploration's
         self._explored = [0, 0]  # the exploration's verified first drafts: accepted, tried
@@ -249,11 +253,7 @@ class SpecPolicy:
                 if self.costly_catch_up or rate[1:].max() < NEAR_TIE * rate[0]:
                     self.explore_after = min(2 * self.explore_after, self.max_explore_after)
                 self._explored_rows = len(running)
-                # explore at the drafting K priced best, not always K = 1: DSpark's block drafter costs the same
-                # pass at every K, so its K = 1 is its worst (0.89x no-spec at batch 8, K = 3 1.0-1.14x) and a near
-                # tie explored there every 16 steps cost "auto" ~5% against no-spec. A first exploration at a size
-                # (its prices the calibration's) runs K = 1, the cheapest drafting step; the probe up takes it on
-                self._explore_k = 1 if extrapolated else 1 + int(np.argmax(rate[1:]))
+                self._explore_k = 1 if extrapolated else self._exploring_k(rate)
                 best = self._explore_k
             elif self._last_k == 0 and all(r.num_new_tokens == 1 for r in running):
                 # K = 0 stays: hold it over the same decode rows up to the next step an exploration can fall due at
@@ -286,6 +286,16 @@ class SpecPolicy:
             else:
                 self._steady = best == self._last_k and not resumed
         return self._commit(best, float(emitted[best]))
+
+    def _exploring_k(self, rate: np.ndarray) -> int:
+        """The K an exploration drafts at: the one priced best of those whose draft passes cost about what K = 1's
+        do (within CHEAP_DRAFT of K = 1's step). DSpark's block drafter runs one pass for every K, so its K = 1 is its
+        worst (0.89x no-spec at batch 8, K = 3 1.0-1.14x) and a near tie explored there every 16 steps cost "auto"
+        ~5% against no-spec; MTP adds a draft decode a K, and explored at a K >= 2 priced best on stale terms (K = 1
+        priced 11.0 ms where it ran 8.4 at batch 1) it stayed there at 0.81x the best. (A first exploration at a size,
+        its prices the calibration's, runs K = 1; the probe up takes it on.)"""
+        draft, limit = self._draft_seconds, self._draft_seconds[1] + CHEAP_DRAFT * self.last_seconds[1]
+        return max((k for k in range(1, self.max_k + 1) if draft[k] <= limit), key=lambda k: rate[k])
 
     def _extends(self) -> bool:
         """An exploration whose verified first drafts were accepted far more often than the estimate it began with
@@ -396,7 +406,8 @@ class SpecPolicy:
         first_context = int(context.sum()) - dup if self.first_reads_shared_once else per_row
         draft = np.array((step0 * ones, tokens * step0, keys * step0, drafting * ones, sampling * drafting,
                           first_context * drafting, decodes * ones, sampling * decodes, per_row * decodes)).T
-        return num_emitted, target @ self.target.coef + draft @ self.draft.coef
+        self._draft_seconds = draft @ self.draft.coef  # [K_max + 1] (the same at any optimism: drafts, not accepts)
+        return num_emitted, target @ self.target.coef + self._draft_seconds
 
     def _commit(self, k: int, predicted: float) -> int:
         self.chosen[k] += 1

@@ -469,8 +469,9 @@ class SpecPolicy:
         if step0 or plan.num_spec_tokens:  # else no draft term is exercised (the features are all zero): no fit
             # MTP's catch-up ran step 0 over deferred tokens too: they are step-0 tokens of this step's draft pass
             caught_up = output.draft_stats.get("catch_up_tokens", 0.0)
-            draft_shape = dataclasses.replace(shape, num_tokens=shape.num_tokens + round(caught_up),
-                                              num_keys=shape.num_keys + output.draft_stats.get("catch_up_keys", 0.0))
+            draft_shape = shape if not caught_up else dataclasses.replace(
+                shape, num_tokens=shape.num_tokens + round(caught_up),
+                num_keys=shape.num_keys + output.draft_stats.get("catch_up_keys", 0.0))
             observe_draft(draft_shape.draft_features(plan.num_spec_tokens, step0, self.first_reads_shared_once),
                           draft_s)
 

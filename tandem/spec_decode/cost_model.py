@@ -119,7 +119,7 @@ def shared_blocks(block_tables: Sequence[Sequence[int]]) -> list[int]:
             # the rows behind one prefix share the same length: the last row's answer, checked inline first
             if not (0 < common < len(blocks) and common < len(table) and table[common] != blocks[common]
                     and table[:common] == blocks[:common]):
-                common = _common_prefix(table, blocks, len(blocks))
+                common = _common_prefix(table, blocks)
                 first[blocks[0]] = table, common
             out.append(common)
     return out
@@ -130,15 +130,13 @@ def duplicate_keys_of(shared: Sequence[int], contexts: Sequence[int], block_size
     return block_size * sum(min(n, context // block_size) for n, context in zip(shared, contexts, strict=True))
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int, guess: int = 0) -> int:
-    """Leading equal items of a and b, at most `limit`: the rows of a batch behind one prefix share the same
-    length, so the last row's answer (`guess`) is checked first (one slice comparison, in C); else a bisection
-    over slice comparisons, so an 8k-token row's 512 blocks cost ~10 comparisons, not 512 Python steps."""
-    lo, hi = 0, min(len(a), len(b), limit)
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Leading equal items of a and b: one slice comparison (in C) where all are equal, else a
+    bisection over slice comparisons, so an 8k-token row's 512 blocks cost ~10 comparisons, not 512 Python steps
+    (shared_blocks checks the last row's answer before calling this)."""
+    lo, hi = 0, min(len(a), len(b))
     if a[:hi] == b[:hi]:
         return hi
-    if 0 < guess < hi and a[guess] != b[guess] and a[:guess] == b[:guess]:
-        return guess
     while hi - lo > 1:  # a[:lo] == b[:lo], a[:hi] != b[:hi]
         mid = (lo + hi) // 2
         if a[:mid] == b[:mid]:

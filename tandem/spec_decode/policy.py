@@ -132,6 +132,7 @@ class SpecPolicy:
         self._explore_left = 0  # exploration steps still to run: one proposes, the next verifies
         self._explore_k = 1  # the K the exploration running drafts at
         self._draft_seconds = np.zeros(max_k + 1)  # the draft share of the last `expected` seconds
+        self._priced_draft = np.zeros(max_k + 1)  # the draft share of `_priced`'s seconds (_exploring_k)
         self._refit_due = False  # an exploration just ended: re-solve the fits with its steps before its verdict
         self._exploring = False  # this step is an exploration's
         self._explored = [0, 0]  # the exploration's verified first drafts: accepted, tried
@@ -294,7 +295,7 @@ class SpecPolicy:
         ~5% against no-spec; MTP adds a draft decode a K, and explored at a K >= 2 priced best on stale terms (K = 1
         priced 11.0 ms where it ran 8.4 at batch 1) it stayed there at 0.81x the best. (A first exploration at a size,
         its prices the calibration's, runs K = 1; the probe up takes it on.)"""
-        draft, limit = self._draft_seconds, self._draft_seconds[1] + CHEAP_DRAFT * self.last_seconds[1]
+        draft, limit = self._priced_draft, self._priced_draft[1] + CHEAP_DRAFT * self.last_seconds[1]
         return max((k for k in range(1, self.max_k + 1) if draft[k] <= limit), key=lambda k: rate[k])
 
     def _extends(self) -> bool:
@@ -319,6 +320,7 @@ class SpecPolicy:
         steady = self._was_steady and not (self._explore_left or self._probe_left or self._resume_k is not None)
         if not steady or key != self._priced_key or self._priced_age >= REPRICE_EVERY - 1:
             self._priced, self._priced_key, self._priced_age = self.expected(running), key, 0
+            self._priced_draft = self._draft_seconds  # could_pay's `expected` calls move _draft_seconds on
         else:
             self._priced_age += 1
         return self._priced

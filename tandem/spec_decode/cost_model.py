@@ -197,11 +197,12 @@ class LinearCostModel:
         gram <- f gram + w x x^T in turn give."""
         if not self._pending:
             return
-        m = len(self._pending)
-        weights = np.array([w for w, _, _ in self._pending]) * self.forgetting ** np.arange(m - 1, -1, -1.0)
-        x = np.stack([f for _, f, _ in self._pending])  # [m, F]
+        m, f = len(self._pending), self.forgetting
+        # Python floats and one array each: a handful of numpy calls per fold, not one per step
+        weights = np.array([w * f ** (m - 1 - i) for i, (w, _, _) in enumerate(self._pending)])  # [m]
+        x = np.array([features for _, features, _ in self._pending])  # [m, F]
         y = np.array([sec for _, _, sec in self._pending])  # [m]
-        decay = self.forgetting ** m
+        decay = f ** m
         self.gram = decay * self.gram + (x.T * weights) @ x
         self.moment = decay * self.moment + x.T @ (weights * y)
         self._pending.clear()
@@ -253,7 +254,8 @@ class LinearCostModel:
         gram = self.gram + self.prior_scale * self.prior_gram
         moment = self.moment + self.prior_scale * self.prior_moment
         n = len(self.terms)
-        a_full = gram + np.diag(self.ridge * (np.diag(gram) + 1e-12))
+        a_full = gram.copy()
+        a_full.flat[:: n + 1] += self.ridge * (gram.diagonal() + 1e-12)  # the ridge, on the diagonal
         free = self._free.copy() if self._free is not None else np.ones(n, dtype=bool)
         tol = 1e-9 * (float(np.abs(moment).max()) + 1e-30)
         coef = np.zeros(n)

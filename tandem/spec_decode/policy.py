@@ -47,7 +47,7 @@ import numpy as np
 
 from tandem.engine.metrics import Counter, Gauge, Metric, Vector
 from tandem.engine.step_plan import StepOutput, StepPlan
-from tandem.spec_decode.acceptance import PositionRates, expected_lengths_by_k
+from tandem.spec_decode.acceptance import PositionRates
 from tandem.spec_decode.cost_model import (
     DRAFT_TERMS,
     STEP0_DEFERRED,
@@ -376,40 +376,59 @@ class SpecPolicy:
         long_prompt = any(r.num_new_tokens > self.max_deferred_tokens for r in running)  # runs step 0 at K = 0
         ids = [r.request_id for r in decode]
         context_list = [r.num_tokens for r in decode]
-        context = np.array(context_list, dtype=np.float64)  # [R]
-        fill = self.fill.estimates(ids)  # [R, K_max]
-        accept = self.accept.estimates(ids)  # [R, K_max]
-        accept = accept + optimism * (1.0 - accept)
-        emitted, drafts = expected_lengths_by_k(accept, fill)  # [R, K_max + 1] each
+        num_rows, num_decode, per_row = len(running), len(decode), float(sum(context_list))
         # a key that several rows read through shared blocks counts once (cost_model.duplicate_keys)
         dup = duplicate_keys_of(shared_blocks([r.block_ids for r in decode]), context_list, self.block_size)
-        verifying = float(fill[:, 0].sum())
-        verifying_context = float(fill[:, 0] @ context) - dup * verifying / max(len(decode), 1)
         # keys read: every row's context once (a prompt chunk's start + n, a decode row's context and its drafts)
         read = sum(r.num_tokens for r in running) - (
-            dup if len(decode) == len(running) else duplicate_keys(((r.block_ids, r.num_tokens) for r in running),
-                                                                   self.block_size))
-        # every K at once: the rows of StepShape.target_features and .draft_features for K = 0..K_max as two small
-        # matrices, priced by one product each (a StepShape and two feature vectors per K cost ~0.1 ms a call)
-        drafting = np.arange(self.max_k + 1) > 0  # [K_max + 1]
-        draft_tokens = drafts.sum(axis=0)  # [K_max + 1]
-        num_emitted = emitted.sum(axis=0)
-        tokens = np.round(prompt_tokens + len(decode) + draft_tokens)  # whole tokens, as StepShape counts them
-        keys = prompt_keys + (1.0 + drafts).T @ context
-        ones = np.ones(self.max_k + 1)
-        # StepShape.target_features' terms: tokens and emitted tokens past a plain decode's
-        read_k = read + draft_tokens
-        target = np.array((ones, len(running) * ones, tokens - len(running), keys,
-                           verifying * drafting, verifying_context * drafting,
-                           np.maximum(num_emitted - len(decode), 0.0), read_k)).T
-        step0 = drafting | (long_prompt or not self.defers_step0)  # K = 0 defers step 0 where the drafter can
-        decodes = np.maximum(np.arange(self.max_k + 1) - 1, 0)
-        sampling, per_row = len(decode), float(context.sum())
-        first_context = int(context.sum()) - dup if self.first_reads_shared_once else per_row
-        draft = np.array((step0 * ones, tokens * step0, keys * step0, drafting * ones, sampling * drafting,
-                          first_context * drafting, decodes * ones, sampling * decodes, per_row * decodes)).T
-        self._draft_seconds = draft @ self.draft.coef  # [K_max + 1] (the same at any optimism: drafts, not accepts)
-        return num_emitted, target @ self.target.coef + self._draft_seconds
+            dup if num_decode == num_rows else duplicate_keys(((r.block_ids, r.num_tokens) for r in running),
+                                                              self.block_size))
+        # Per row, only sums over rows are priced: with cf = cumprod(fill) and cfa = cumprod(fill * accept) [R, K_max],
+        # a row asked for K drafts proposes sum_{j<=K} cf_j and emits 1 + sum_{j<=K} cfa_j (expected_lengths_by_k);
+        # so the rows' totals at every K are cumulative sums of column sums: a few numpy calls whatever R is
+        verifying = verifying_context = 0.0
+        drafts_by_pos, emitted_by_pos, keys_by_pos = [0.0] * self.max_k, [0.0] * self.max_k, [0.0] * self.max_k
+        if decode:
+            context = np.array(context_list, dtype=np.float64)  # [R]
+            fill = self.fill.estimates(ids)  # [R, K_max]
+            accept = self.accept.estimates(ids)  # [R, K_max]
+            if optimism:
+                accept = accept + optimism * (1.0 - accept)
+            cf = np.cumprod(fill, axis=1)  # [R, K_max]
+            drafts_by_pos = cf.sum(axis=0).tolist()  # [K_max] expected j-th drafts over rows
+            emitted_by_pos = np.cumprod(fill * accept, axis=1).sum(axis=0).tolist()  # [K_max] accepted j-th drafts
+            keys_by_pos = (context @ cf).tolist()  # [K_max] keys the j-th drafts attend (their row's context)
+            verifying = drafts_by_pos[0]  # rows that verify a draft (fill of the first)
+            verifying_context = float(context @ fill[:, 0]) - dup * verifying / num_decode
+        # every K at once, in Python floats (K_max + 1 values; as numpy vectors the ~40 small calls cost ~0.15 ms a
+        # choice at batch 1): StepShape.target_features and .draft_features for K = 0..K_max, priced by their fits
+        target_coef, draft_coef = self.target.coef.tolist(), self.draft.coef.tolist()
+        first_context = per_row - dup if self.first_reads_shared_once else per_row
+        step0_always = long_prompt or not self.defers_step0  # K = 0 defers step 0 where the drafter can
+        num_emitted, seconds, draft_seconds = [], [], []
+        draft_tokens = emitted_past = drafted_keys = 0.0
+        for k in range(self.max_k + 1):
+            if k:
+                draft_tokens += drafts_by_pos[k - 1]
+                emitted_past += emitted_by_pos[k - 1]
+                drafted_keys += keys_by_pos[k - 1]
+            drafting = 1.0 if k else 0.0
+            tokens = float(round(prompt_tokens + num_decode + draft_tokens))  # whole tokens, as StepShape counts
+            keys = prompt_keys + per_row + drafted_keys
+            emitted = num_decode + emitted_past
+            # StepShape.target_features' terms: tokens and emitted tokens past a plain decode's
+            target = (1.0, num_rows, tokens - num_rows, keys, verifying * drafting, verifying_context * drafting,
+                      max(emitted - num_decode, 0.0), read + draft_tokens)
+            step0 = 1.0 if k or step0_always else 0.0
+            decodes = max(k - 1, 0)
+            draft = (step0, tokens * step0, keys * step0, drafting, num_decode * drafting, first_context * drafting,
+                     decodes, num_decode * decodes, per_row * decodes)
+            draft_s = sum(c * x for c, x in zip(draft_coef, draft, strict=True))
+            num_emitted.append(emitted)
+            draft_seconds.append(draft_s)
+            seconds.append(sum(c * x for c, x in zip(target_coef, target, strict=True)) + draft_s)
+        self._draft_seconds = np.array(draft_seconds)  # [K_max + 1] (the same at any optimism: drafts, not accepts)
+        return np.array(num_emitted), np.array(seconds)
 
     def _commit(self, k: int, predicted: float) -> int:
         self.chosen[k] += 1
@@ -499,22 +518,33 @@ class SpecPolicy:
 
 
 def step_shape(plan: StepPlan, output: StepOutput, block_size: int = 16) -> StepShape:
-    rows = plan.rows
-    keys = sum(attended_keys(len(r.token_ids), r.num_computed_tokens) for r in rows)
-    sampling = [r for r in rows if r.sampling is not None]
-    contexts = [r.num_computed_tokens + len(r.token_ids) for r in sampling]
-    shared = shared_blocks([r.block_ids for r in sampling])  # one comparison a row serves every context below
+    # one pass over the rows (at batch 32 six passes and a call a row cost ~70 us of every step's record)
+    tokens, keys, all_sample = 0, 0.0, True
+    blocks: list[Sequence[int]] = []  # of the sampling rows
+    contexts: list[int] = []  # of the sampling rows
+    verifying: list[int] = []  # sampling rows (index into contexts) that verify drafts
+    starts: list[int] = []  # their first verified position, num_computed_tokens + 1
+    for r in plan.rows:
+        n, start = len(r.token_ids), r.num_computed_tokens
+        tokens += n
+        keys += n * start + n * (n + 1) / 2  # attended_keys(n, start)
+        if r.sampling is None:
+            all_sample = False
+            continue
+        if r.num_draft_tokens:
+            verifying.append(len(contexts))
+            starts.append(start + 1)
+        blocks.append(r.block_ids)
+        contexts.append(start + n)
+    shared = shared_blocks(blocks)  # one comparison a row serves every context below
     per_row = sum(contexts)
     context = per_row - duplicate_keys_of(shared, contexts, block_size)
-    verifying = [r for r in sampling if r.num_draft_tokens]
-    verifying_starts = [r.num_computed_tokens + 1 for r in verifying]
-    verifying_context = sum(verifying_starts) - (
-        duplicate_keys_of(shared, verifying_starts, block_size) if len(verifying) == len(sampling) else
-        duplicate_keys(((r.block_ids, n) for r, n in zip(verifying, verifying_starts, strict=True)), block_size))
+    verifying_context = sum(starts) - (
+        duplicate_keys_of(shared, starts, block_size) if len(verifying) == len(contexts) else
+        duplicate_keys(((blocks[i], n) for i, n in zip(verifying, starts, strict=True)), block_size))
     emitted = sum(map(len, output.sampled_token_ids))
     # keys read: every row's context once; at a decode step every row samples, and that is `context` again
-    read = context if len(sampling) == len(rows) else sum(
-        r.num_computed_tokens + len(r.token_ids) for r in rows) - duplicate_keys(
-        ((r.block_ids, r.num_computed_tokens + len(r.token_ids)) for r in rows), block_size)
-    return StepShape(len(rows), plan.num_tokens, keys, len(sampling), context, len(verifying), verifying_context,
+    read = context if all_sample else sum(r.num_computed_tokens + len(r.token_ids) for r in plan.rows) - \
+        duplicate_keys(((r.block_ids, r.num_computed_tokens + len(r.token_ids)) for r in plan.rows), block_size)
+    return StepShape(len(plan.rows), tokens, keys, len(contexts), context, len(verifying), verifying_context,
                      emitted, read, per_row)

@@ -11,7 +11,7 @@ PCP group, and the predicted draft prefill of both modes (cost_model.predict_dra
                        ContiguousMLABackend.forward_mla timed at the prompt's shape on P threads at once
                        (replicated_attention_s); the sharded prediction is the same in both columns
 
-    .venv/bin/python benchmarks/draft_modes.py --prompt-len 2048 8192 --repeats 5
+    .venv/bin/python benchmarks/draft_modes.py --prompt-len 2048 8192 --repeats 7
 
 Model: the bundled tandem-dsv3-tiny (MLA, kv_lora_rank 512, one MTP layer) copied to a temporary folder with
 max_position_embeddings raised so an 8k prompt fits; its weights are untouched (this measures time, not text).
@@ -313,7 +313,8 @@ def main() -> None:
                    help="mtp: one or more lengths p (each also prefills p/2); dspark: one length")
     p.add_argument("--pcp-size", type=int, default=2)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=7,
+                   help="timings per length, best kept (a 2k prefill is ~0.3 s: best of 3 moved 0.07-0.09 s)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--drafter", choices=("mtp", "dspark"), default="mtp",
                    help="mtp: sharded vs replicated draft prefill; dspark: sharded vs replicated context K/V")

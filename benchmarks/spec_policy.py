@@ -107,6 +107,8 @@ def run_point(model: str, configs: dict[str, dict | None], texts: list[str], arg
                 "tokens_per_s": tokens[name] / best[name], "wall_s": best[name], "tokens": tokens[name],
                 "round_tokens_per_s": rounds[name],
                 "mean_acceptance_length": metrics.get("tandem:spec_decode_mean_acceptance_length"),
+                # a drafter's KV shares the pool: where the batch does not fit, preemptions recompute prompts
+                "num_preemptions": metrics.get("tandem:num_preemptions"),
                 "chosen_k": metrics.get("tandem:spec_policy_chosen_k"),
                 "predicted_emitted": metrics.get("tandem:spec_policy_predicted_emitted_tokens"),
                 "realised_emitted": metrics.get("tandem:spec_policy_realised_emitted_tokens"),
@@ -297,11 +299,11 @@ def paired(a: dict, b: dict) -> float:
 
 def _print(r: dict, base: float) -> None:
     accept = "-" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}"
-    notes = ""
+    notes = f"preempted {r['num_preemptions']:.0f}; " if r.get("num_preemptions") else ""
     if r["chosen_k"] is not None:
         hist = " ".join(f"{k}:{int(n)}" for k, n in enumerate(r["chosen_k"]))
-        notes = (f"chosen K {hist}; emitted predicted {r['predicted_emitted']:.0f} / realised "
-                 f"{r['realised_emitted']:.0f}")
+        notes += (f"chosen K {hist}; emitted predicted {r['predicted_emitted']:.0f} / realised "
+                  f"{r['realised_emitted']:.0f}")
         if r.get("k_by_rows"):
             notes += "; timed steps " + ", ".join(f"{part} " + "/".join(map(str, h))
                                                   for part, h in r["k_by_rows"].items() if h)

@@ -87,6 +87,9 @@ COLD_STEPS = 2
 CHEAP_DRAFT = 0.05
 EXTEND_GAP = 0.3  # an exploration extends where its first drafts were accepted this much above the estimate
 MAX_EXTENSIONS = 3  # (_extends)
+CHEAP_CATCH_UP = 0.5  # a near tie is explored on schedule where the catch-up costs at most this share of a K = 0 step
+MIN_EXPLORED_DRAFTS = 8  # an exploration extends until it has verified this many first drafts (batch 1: ~9 steps)
+MAX_THIN_EXTENSIONS = 4
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,7 @@ class SpecPolicy:
         self._explored = [0, 0]  # the exploration's verified first drafts: accepted, tried
         self._explore_prior = 0.0  # the global first-draft acceptance estimate when it began
         self._extensions = 0  # times this exploration was extended
+        self._thin_extensions = 0  # of them, for too few verified drafts
         self._fade_at_verdict = False  # the exploration running is the first at its batch size
         self._unobserved = 0  # steps still to run whose costs the fits skip (COLD_STEPS)
         self._unserved_ks: set[int] = set()  # Ks no served step ran since the prior faded: moved up to by a probe
@@ -247,11 +251,14 @@ class SpecPolicy:
                 self.steps_at_zero, self._explore_left, self._exploring = 0, 1, True
                 if extrapolated:  # its steps will price drafting here alone: two more, past the one-time costs
                     self._explore_left, self._unobserved = 1 + COLD_STEPS, COLD_STEPS
-                self._explored, self._extensions = [0, 0], 0
+                self._explored, self._extensions, self._thin_extensions = [0, 0], 0, 0
                 self._explore_prior = float(self.accept.global_estimate()[0])
-                # a near tie keeps the wait, exploring it costs little; not where MTP defers step 0: each exploration
-                # catches up every deferred token (at ~8k keys, 8 rows, explored every 16 steps: 0.80x no-spec)
-                if self.costly_catch_up or rate[1:].max() < NEAR_TIE * rate[0]:
+                # a near tie keeps the wait, exploring it costs little; not where the catch-up of MTP's deferred step 0
+                # costs more than CHEAP_CATCH_UP of a plain step (at ~8k keys, 8 rows, explored every 16 steps: 0.80x
+                # no-spec); at batch 1 on GSM8K it is a few tokens at ~1k keys, and a doubling wait there left "auto"
+                # at K = 0 on a stale estimate where K = 1 paid 1.07x no-spec
+                cheap = self._catch_up_s(running) <= CHEAP_CATCH_UP * self.last_seconds[0]
+                if not cheap or rate[1:].max() < NEAR_TIE * rate[0]:
                     self.explore_after = min(2 * self.explore_after, self.max_explore_after)
                 self._explored_rows = len(running)
                 self._explore_k = 1 if extrapolated else self._exploring_k(rate)
@@ -299,11 +306,24 @@ class SpecPolicy:
         return max((k for k in range(1, self.max_k + 1) if draft[k] <= limit), key=lambda k: rate[k])
 
     def _extends(self) -> bool:
-        """An exploration whose verified first drafts were accepted far more often than the estimate it began with
-        (EXTEND_GAP) runs two more steps, up to MAX_EXTENSIONS times: the estimate is stale, and two steps of
-        evidence at batch 1 barely move it (after a stretch where the drafter failed, one read 0.31 for a drafter
-        now accepted 90% of the time, and "auto" took 4-8 explorations, hundreds of steps, to draft again)."""
+        """An exploration runs two more steps while it has verified fewer than MIN_EXPLORED_DRAFTS first drafts and
+        they were accepted at least as often as K = 1 needs to break even (up to MAX_THIN_EXTENSIONS times): at
+        batch 1 its two steps verify one draft, and verdicts on one Bernoulli draw each kept MTP at K = 0 (GSM8K
+        batch 1: acceptance estimated 0.40-0.50 after eight batches where the fixed K = 1 engine's was 0.70 and K = 1
+        paid 1.07x no-spec; "auto" read 0.92x). And one whose verified first drafts were accepted far more often than
+        the estimate it began with (EXTEND_GAP) runs two more steps, up to MAX_EXTENSIONS times: the estimate is
+        stale, and a few steps of evidence at batch 1 barely move it (after a stretch where the drafter failed, one
+        read 0.31 for a drafter now accepted 90% of the time, and "auto" took 4-8 explorations, hundreds of steps, to
+        draft again)."""
         accepted, tried = self._explored
+        # the acceptance at which K = 1 breaks even with K = 0 at these prices: below it so far, more steps are not
+        # worth their cost (a drafter that fails keeps its two-step explorations)
+        seconds, fill = self.last_seconds, max(float(self.fill.global_estimate()[0]), 1e-3)
+        break_even = (seconds[1] / max(seconds[0], 1e-9) - 1.0) / fill
+        if 0 < tried < MIN_EXPLORED_DRAFTS and self._thin_extensions < MAX_THIN_EXTENSIONS and \
+                accepted >= break_even * tried:
+            self._thin_extensions += 1
+            return True
         if self._extensions >= MAX_EXTENSIONS or not tried or accepted / tried < self._explore_prior + EXTEND_GAP:
             return False
         self._extensions += 1
@@ -346,7 +366,10 @@ class SpecPolicy:
         else:
             self._optimistic_age += 1
         emitted, seconds = self._optimistic[0], self._optimistic[1].copy()
-        seconds[1:] += self._catch_up_s(running) / 2  # an exploration is two steps; the first pays the catch-up
+        # the first step of an exploration pays the catch-up, spread over its steps: two, or as many as it takes to
+        # verify MIN_EXPLORED_DRAFTS first drafts (_extends: ~9 at batch 1)
+        steps = 1 + min(max(-(-MIN_EXPLORED_DRAFTS // max(len(running), 1)), 1), 1 + 2 * MAX_THIN_EXTENSIONS)
+        seconds[1:] += self._catch_up_s(running) / steps
         return bool((emitted[1:] / np.maximum(seconds[1:], 1e-9)).max() >= (1 + self.switch_margin) * rate_k0)
 
     def _catch_up_s(self, running: list[RunningRow]) -> float:

@@ -1045,6 +1045,28 @@ def test_shared_prefix_prices_verification_once() -> None:
     assert step_shape(StepPlan(rows, 1), out).verifying_context == 8 * 1000 - 7 * 44 * 16
 
 
+@pytest.mark.parametrize("tokens_left,deferred,switches", [(6, 57, False), (1000, 57, True), (6, 0, True)])
+def test_a_switch_from_k0_pays_its_catch_up_within_the_steps_left(tokens_left, deferred, switches):
+    """30 decode rows where K = 1 beats K = 0 by ~30% a step: the first drafting step catches up every row's
+    deferred MTP step 0 (57 tokens each, ~0.17 s here). With 6 tokens left a row the switch lasts ~4 steps and the
+    catch-up is not recovered: K = 0 stays (a GSM8K batch-64 tail paid ~150 ms for 5 steps of drafting); with 1,000
+    left, or nothing deferred, it switches."""
+    policy = SpecPolicy(1, defers_step0=True)
+    target = {"base": 0.010, "per_row": 0.001, "per_extra_token": 0.0002}
+    for model, coef in ((policy.target, target), (policy.draft, {"first": 0.001, "per_token": 1e-4})):
+        model.coef = np.array([coef.get(t, 0.0) for t in model.terms])
+        model.num_observations = model.refresh_every
+    for accepted in [1, 1, 1, 1, 0] * 10:  # first-draft acceptance ~0.8
+        policy.accept.observe("earlier", 1, accepted)
+        policy.accept.end_step()
+    running = [RunningRow(f"r{i}", 1000, 1, (), tokens_left) for i in range(30)]
+    policy._deferred = {r.request_id: deferred for r in running} if deferred else {}
+    emitted, seconds = policy.expected(running)
+    assert emitted[1] / seconds[1] >= 1.25 * emitted[0] / seconds[0]  # without the catch-up, drafting pays
+    policy._last_k = 0
+    assert (policy.choose(running) == 1) == switches
+
+
 @pytest.mark.parametrize("first_draft_s,deferred,backs_off", [(0.005, 0, False), (0.007, 0, True), (0.005, 100, True),
                                                             (0.005, 4, False)])
 def test_a_near_tie_is_explored_on_schedule_and_a_clear_loss_backs_off(first_draft_s, deferred, backs_off,

@@ -99,8 +99,14 @@ class Scheduler:
     def _num_spec_tokens(self, requests: list[Request], new_batch: bool = False) -> int:
         if self.policy is not None:
             return self.policy.choose([RunningRow(r.request_id, r.num_tokens, r.num_tokens - r.num_computed_tokens,
-                                                  r.block_ids) for r in requests], new_batch)
+                                                  r.block_ids, self._tokens_left(r)) for r in requests], new_batch)
         return self.spec.num_tokens_for_batch(len(requests)) if self.spec.enabled else 0
+
+    def _tokens_left(self, req: Request) -> int:
+        """Output tokens the request may still emit (max_tokens and max_model_len; a stop string may end it sooner)."""
+        room = self.max_model_len - req.num_tokens
+        max_tokens = req.sampling_params.max_tokens
+        return max(min(room, max_tokens - len(req.output_token_ids)) if max_tokens is not None else room, 0)
 
     def _drafts(self, req: Request, k: int, budget: int) -> list[int]:
         """The drafts a decode row verifies: at most K, the budget, and what max_tokens/max_model_len allow."""

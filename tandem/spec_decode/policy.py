@@ -87,6 +87,7 @@ COLD_STEPS = 2
 CHEAP_DRAFT = 0.05
 EXTEND_GAP = 0.3  # an exploration extends where its first drafts were accepted this much above the estimate
 MAX_EXTENSIONS = 3  # (_extends)
+CATCH_UP_HORIZON = 64  # a switch from K = 0 spreads its catch-up over at most this many steps (_stays_worth_catch_up)
 CHEAP_CATCH_UP = 0.5  # a near tie is explored on schedule where the catch-up costs at most this share of a K = 0 step
 MIN_EXPLORED_DRAFTS = 8  # an exploration extends until it has verified this many first drafts (batch 1: ~9 steps)
 MAX_THIN_EXTENSIONS = 4
@@ -100,6 +101,7 @@ class RunningRow:
     num_tokens: int
     num_new_tokens: int  # 1 for a decode (plus drafts), more for an unfinished prompt
     block_ids: Sequence[int] = ()  # its KV blocks (rows sharing leading blocks read those keys once)
+    tokens_left: int = 1 << 30  # output tokens it may still emit (max_tokens, max_model_len): how long a switch lasts
 
 
 class SpecPolicy:
@@ -226,6 +228,8 @@ class SpecPolicy:
         margin = self.switch_margin / 3 if 0 < self._last_k < best else self.switch_margin
         if rate[best] < (1 + margin) * rate[self._last_k]:
             best = self._last_k  # a switch discards the pending drafts: only a clear gain is worth it
+        elif self._last_k == 0 and not self._stays_worth_catch_up(running, emitted, seconds, best, margin):
+            best = 0
         if self._explore_left:
             self._explore_left -= 1
             best = best or self._explore_k
@@ -371,6 +375,22 @@ class SpecPolicy:
         steps = 1 + min(max(-(-MIN_EXPLORED_DRAFTS // max(len(running), 1)), 1), 1 + 2 * MAX_THIN_EXTENSIONS)
         seconds[1:] += self._catch_up_s(running) / steps
         return bool((emitted[1:] / np.maximum(seconds[1:], 1e-9)).max() >= (1 + self.switch_margin) * rate_k0)
+
+    def _stays_worth_catch_up(self, running: list[RunningRow], emitted: np.ndarray, seconds: np.ndarray, k: int,
+                              margin: float) -> bool:
+        """Whether drafting at K still beats K = 0 by the margin with MTP's catch-up (every deferred step 0, paid by
+        the switch's first step) spread over the steps the switch can last: the rows' tokens left (their median)
+        over what a step at K emits a row, at most CATCH_UP_HORIZON. A batch's tail of 30 rows, ~57 deferred tokens
+        each and ~6 tokens to go, switched to K = 1 and paid ~150 ms of catch-up for 4-5 steps of ~20 ms (GSM8K
+        batch 64: one round 20% slower)."""
+        catch_up = self._catch_up_s(running)
+        if not catch_up:
+            return True
+        decode = [r.tokens_left for r in running if r.num_new_tokens <= 1]
+        per_row = emitted[k] / max(len(decode), 1)
+        horizon = min(max(float(np.median(decode)) / max(per_row, 1.0), 1.0) if decode else 1.0, CATCH_UP_HORIZON)
+        rate0 = emitted[0] / max(seconds[0], 1e-9)
+        return emitted[k] / (seconds[k] + catch_up / horizon) >= (1 + margin) * rate0
 
     def _catch_up_s(self, running: list[RunningRow]) -> float:
         """Predicted seconds of the catch-up the next drafting step runs: step 0 over every running row's deferred

@@ -8,10 +8,13 @@ runs what a drafter must do to keep its own KV current (DSpark's context); MTP d
 at K = 0 to the next step that drafts (mtp_catch_up.py). The draft model prices what each K measured.
 
 Acceptance is observed only while drafting, so after `explore_after` steps at K = 0 the policy drafts at the K >= 1
-priced best for two steps (one proposes, the next verifies) to refresh it; each exploration that does not switch
-drafting back on doubles the wait (up to `max_explore_after`), so a drafter that never pays costs two cheap steps in
-that many, unless drafting was priced within NEAR_TIE of K = 0 (a near tie is explored every `explore_after` steps,
-except where MTP defers its step 0, whose every exploration pays the catch-up of the deferred tokens).
+priced best for two steps (one proposes, the next verifies; at a few rows, until it has verified MIN_EXPLORED_DRAFTS
+first drafts while they break even: `_extends`) to refresh it; each exploration that does not switch drafting back
+on doubles the wait (up to `max_explore_after`), so a drafter that never pays costs two cheap steps in that many,
+unless drafting was priced within NEAR_TIE of K = 0 (a near tie is explored every `explore_after` steps, except where
+the catch-up of MTP's deferred step 0, paid by every exploration, costs more than CHEAP_CATCH_UP of a plain step).
+A switch from K = 0 to drafting pays that catch-up too: it needs the margin with the catch-up spread over the steps
+the rows have left (`_stays_worth_catch_up`).
 An exploration runs only where drafting could pay: some K >= 1 beats K = 0 with each draft position's rejection
 rate halved (EXPLORE_OPTIMISM: the estimates may be stale, but not by that much: at long contexts and large
 batches verification tokens cost more than even a much better drafter would save, and an exploration there, with

@@ -273,7 +273,7 @@ def test_drafting_priced_only_by_the_calibration_is_explored_and_its_steps_decid
     due = policy.explore_after - policy.steps_at_zero  # the usual wait, counted from the sweeps' K = 0 steps
     chosen = Simulation(policy, batch=8, seed=3).run(true, 120)
     assert sum(k > 0 for k in chosen[40:]) >= 70, f"K > 0 at {[i for i, k in enumerate(chosen) if k]}"
-    assert 0 < chosen.index(1) <= due + 2 <= 32, (due, chosen[:40])
+    assert 0 < due - 2 <= chosen.index(1) <= due + 2 <= 34, (due, chosen[:40])  # on the wait, not before it
 
 
 def test_an_exploration_that_finds_the_estimate_stale_runs_on():

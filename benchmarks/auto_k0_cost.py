@@ -24,8 +24,20 @@ from tandem import LLM, SamplingParams
 from tandem.assets import DEFAULT_DSPARK, DEFAULT_MODEL
 from tandem.data.gsm8k import SHARED_GSM8K
 from tandem.eval.gsm8k import build_prompts, load_eval_data
+from tandem.spec_decode.policy import SpecPolicy
 
 AUTO = {"num_speculative_tokens": "auto", "max_num_speculative_tokens": 3}
+
+
+def workload(batch: int) -> tuple[list[str], SamplingParams]:
+    """5-shot GSM8K prompts (seed 42) and greedy 64-token params, EOS ignored: every step a full-batch decode."""
+    questions, shots = load_eval_data(str(SHARED_GSM8K / "test.jsonl"), None, batch, 5, seed=42)[:2]
+    return build_prompts(questions, shots), SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+
+
+def force_k0(policy: SpecPolicy) -> None:
+    """The policy answers K = 0 at every step (its bookkeeping of chosen K kept)."""
+    policy.choose = lambda running, new_batch=False: policy._commit(0, 0.0)  # type: ignore[method-assign]
 
 
 def main() -> None:
@@ -37,9 +49,7 @@ def main() -> None:
     if args.paired:
         paired(args)
         return
-    questions, shots = load_eval_data(str(SHARED_GSM8K / "test.jsonl"), None, args.batch, 5, seed=42)[:2]
-    prompts = build_prompts(questions, shots)
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    prompts, params = workload(args.batch)
     configs = {"no-spec": None, "mtp-auto-k0": {"method": "mtp", **AUTO},
                "dspark-auto-k0": {"method": "dspark", "model": str(DEFAULT_DSPARK), **AUTO},
                "mtp-auto": {"method": "mtp", **AUTO}}
@@ -49,8 +59,7 @@ def main() -> None:
         for name, llm in engines.items():
             llm.generate(prompts, params, use_tqdm=False)  # warm-up: prefix cache, the policy's first fits
             if name.endswith("-k0"):
-                policy = llm.engine.policy
-                policy.choose = lambda running, new_batch=False, policy=policy: policy._commit(0, 0.0)
+                force_k0(llm.engine.policy)
         best = dict.fromkeys(engines, float("inf"))
         for _ in range(args.repeats):
             for name, llm in engines.items():
@@ -71,9 +80,7 @@ def main() -> None:
 
 
 def paired(args: argparse.Namespace) -> None:
-    questions, shots = load_eval_data(str(SHARED_GSM8K / "test.jsonl"), None, args.batch, 5, seed=42)[:2]
-    prompts = build_prompts(questions, shots)
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    prompts, params = workload(args.batch)
     drafters = {"mtp": {"method": "mtp", **AUTO}, "dspark": {"method": "dspark", "model": str(DEFAULT_DSPARK), **AUTO}}
     configs = {"no-spec": None, **{f"{d}-auto-k0{suffix}": spec for d, spec in drafters.items()
                                    for suffix in ("", "-norecord")}, "twin": None}
@@ -84,7 +91,7 @@ def paired(args: argparse.Namespace) -> None:
             llm.generate(prompts, params, use_tqdm=False)  # warm-up: prefix cache, the policy's first fits
             policy = llm.engine.policy
             if policy is not None:
-                policy.choose = lambda running, new_batch=False, policy=policy: policy._commit(0, 0.0)
+                force_k0(policy)
                 if name.endswith("-norecord"):
                     policy.record_step = lambda *a, **kw: None
         rounds: dict[str, list[float]] = {name: [] for name in engines}

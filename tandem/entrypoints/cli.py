@@ -1,4 +1,4 @@
-"""`tandem` command line: generate, serve, bench (offline, serve), eval gsm8k, convert-gguf."""
+"""`tandem` command line: generate, serve, bench (offline, serve), eval gsm8k, convert-gguf, train draft-head."""
 
 from __future__ import annotations
 
@@ -121,6 +121,42 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--repeats", type=int, default=1, help="timed runs per engine, alternating; the best is reported")
     o.add_argument("--output-json", default=None)
     EngineArgs.add_cli_args(o)
+
+
+def _train_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a model")
+    kind = p.add_subparsers(dest="train", required=True)
+    d = kind.add_parser("draft-head", help="an EAGLE-3 draft head for a Llama / Qwen3 folder, by self-distillation")
+    d.add_argument("target", help="the target's Hugging Face model folder")
+    d.add_argument("--out", required=True, help="the head folder to write (config.json, model.safetensors)")
+    d.add_argument("--work", default=None, help="data, features, checkpoints and log (default: OUT/../NAME-work)")
+    d.add_argument("--gsm8k", default=None, help="GSM8K train .jsonl for the prompts (default: ../shared's)")
+    d.add_argument("--num-prompts", type=int, default=3000)
+    d.add_argument("--magpie-share", type=float, default=0.5, help="share of prompts the target writes itself")
+    d.add_argument("--max-tokens", type=int, default=256, help="response tokens per prompt, at most")
+    d.add_argument("--draft-vocab-size", type=int, default=16384)
+    d.add_argument("--ttt-steps", type=int, default=3, help="training-time-test depth")
+    d.add_argument("--epochs", type=int, default=3)
+    d.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per optimizer step")
+    d.add_argument("--lr", type=float, default=1e-3)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    d.add_argument("--max-hours", type=float, default=24.0, help="wall-clock budget; training shortens to fit")
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from tandem.data.gsm8k import SHARED_GSM8K
+    from tandem.train.draft_head.pipeline import DraftHeadArgs, run
+
+    out = Path(args.out)
+    work = Path(args.work) if args.work else out.parent / f"{out.name}-work"
+    gsm8k = Path(args.gsm8k) if args.gsm8k else SHARED_GSM8K / "train.jsonl"
+    print(run(DraftHeadArgs(
+        target=Path(args.target), out=out, work=work, gsm8k=gsm8k, num_prompts=args.num_prompts,
+        magpie_share=args.magpie_share, max_tokens=args.max_tokens, draft_vocab_size=args.draft_vocab_size,
+        ttt_steps=args.ttt_steps, epochs=args.epochs, batch_tokens=args.batch_tokens, lr=args.lr, seed=args.seed,
+        threads=args.threads, max_hours=args.max_hours)))
+    return 0
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -300,10 +336,11 @@ def main(argv: list[str] | None = None) -> int:
     _eval_parser(sub)
     _serve_parser(sub)
     _bench_parser(sub)
+    _train_parser(sub)
     args = parser.parse_args(argv)
     try:
         commands = {"generate": run_generate, "convert-gguf": run_convert, "eval": run_eval, "serve": run_serve,
-                    "bench": run_bench}
+                    "bench": run_bench, "train": run_train}
         return commands[args.command](args)
     except (ConfigError, ValueError) as e:
         print(f"tandem {args.command}: error: {e}", file=sys.stderr)

@@ -1,0 +1,129 @@
+"""Self-distillation data: the target's own greedy answers (tandem's engine) to GSM8K questions and to "Magpie"
+requests the target writes itself from its chat template's bare user-turn prefix.
+Scope: prompt rendering, the two generation passes, and OUT/data/*.jsonl written chunk by chunk (a rerun skips
+finished chunks). Each row: {"ids": prompt + response token ids, "response_start": len(prompt), "source": ...}.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tandem.data.gsm8k import load_jsonl
+
+SENTINEL = "\x00TANDEM-USER-REQUEST\x00"
+CHUNK_PROMPTS = 256
+MAGPIE_MAX_TOKENS = 64
+MAGPIE_OVERSAMPLE = 1.4  # some sampled requests are empty or truncated
+
+
+@dataclass(frozen=True)
+class DistillPlan:
+    target: Path
+    out: Path
+    gsm8k_path: Path
+    num_prompts: int
+    magpie_share: float
+    max_tokens: int
+    seed: int
+
+
+def user_turn_prefix(tokenizer: Any) -> str:
+    """The rendered text up to and including the user turn's opening (for SmolLM2: system turn +
+    '<|im_start|>user\\n'), cut from a conversation whose user message is a sentinel."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": SENTINEL}], tokenize=False,
+                                         add_generation_prompt=False)
+    if SENTINEL not in text:
+        raise ValueError("the chat template does not render the user message verbatim; cannot derive its prefix")
+    return text[:text.index(SENTINEL)]
+
+
+def chat_ids(tokenizer: Any, request: str) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": request}], tokenize=False,
+                                         add_generation_prompt=True)
+    # the template already holds every special token; the tokenizer must not add a BOS of its own
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+class Distiller:
+    """Writes OUT/data/{gsm8k,magpie}_NNNNN.jsonl; the engine starts only when a chunk is missing."""
+
+    def __init__(self, plan: DistillPlan):
+        from transformers import AutoTokenizer
+
+        self.plan = plan
+        self.tokenizer = AutoTokenizer.from_pretrained(str(plan.target))
+        self.data_dir = plan.out / "data"
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._llm: Any = None
+
+    @property
+    def llm(self) -> Any:
+        if self._llm is None:
+            from tandem import LLM
+
+            self._llm = LLM(model=str(self.plan.target), dtype="float32", max_num_seqs=64,
+                            max_num_batched_tokens=4096)
+        return self._llm
+
+    def run(self) -> list[Path]:
+        num_magpie = round(self.plan.num_prompts * self.plan.magpie_share)
+        questions = [p.question for p in load_jsonl(self.plan.gsm8k_path)]
+        random.Random(self.plan.seed).shuffle(questions)
+        gsm8k = questions[:self.plan.num_prompts - num_magpie]
+        paths = []
+        for c in range(0, len(gsm8k), CHUNK_PROMPTS):
+            paths.append(self._chunk(f"gsm8k_{c // CHUNK_PROMPTS:05d}",
+                                     lambda c=c: gsm8k[c:c + CHUNK_PROMPTS]))
+        for c in range(0, num_magpie, CHUNK_PROMPTS):
+            n = min(CHUNK_PROMPTS, num_magpie - c)
+            paths.append(self._chunk(f"magpie_{c // CHUNK_PROMPTS:05d}",
+                                     lambda c=c, n=n: self._magpie_requests(self.plan.seed * 1_000_003 + c, n)))
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+        return paths
+
+    def _chunk(self, name: str, requests: Any) -> Path:
+        path = self.data_dir / f"{name}.jsonl"
+        if path.is_file():
+            return path
+        from tandem import SamplingParams
+
+        reqs = requests()
+        prompts = [{"prompt_token_ids": chat_ids(self.tokenizer, r)} for r in reqs]
+        outs = self.llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=self.plan.max_tokens),
+                                 use_tqdm=True)
+        rows = [{"ids": list(o.prompt_token_ids) + list(o.outputs[0].token_ids),
+                 "response_start": len(o.prompt_token_ids), "source": name.split("_")[0],
+                 "finish_reason": o.outputs[0].finish_reason} for o in outs if o.outputs[0].token_ids]
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        tmp.rename(path)  # a chunk exists whole or not at all
+        return path
+
+    def _magpie_requests(self, seed: int, n: int) -> list[str]:
+        from tandem import SamplingParams
+
+        prefix_ids = self.tokenizer.encode(user_turn_prefix(self.tokenizer), add_special_tokens=False)
+        num = int(n * MAGPIE_OVERSAMPLE) + 1
+        params = [SamplingParams(temperature=0.9, top_p=0.95, seed=seed + i, max_tokens=MAGPIE_MAX_TOKENS)
+                  for i in range(num)]
+        outs = self.llm.generate([{"prompt_token_ids": prefix_ids}] * num, params, use_tqdm=True)
+        kept: list[str] = []
+        for o in outs:
+            text = o.outputs[0].text.strip()
+            # "stop" = the end-of-turn token closed the request; "length" = cut off mid-request
+            if o.outputs[0].finish_reason == "stop" and len(text) >= 8 and text not in kept:
+                kept.append(text)
+        return kept[:n]
+
+
+def read_rows(paths: list[Path]) -> list[dict[str, Any]]:
+    rows = []
+    for path in paths:
+        rows += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return rows

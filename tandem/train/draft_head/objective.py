@@ -1,0 +1,110 @@
+"""Batches of cached sequences and the TTT objective: soft cross-entropy against the target's distribution
+renormalised to the draft vocabulary, top-1 agreement with the target's full-vocabulary argmax, and the simulated
+greedy acceptance length.
+
+Index map for one sequence x[0..n-1] with response start s (t = training index, j = TTT step):
+    aux[t], id x[t+1+j], position t+j -> predicts x[t+2+j]; label = target top-k at index t+1+j.
+    Valid when the predicted token is a response token that exists: s <= t+2+j <= n-1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.train.draft_head.features import FeatureStore
+from tandem.train.draft_head.head import DraftHead
+from tandem.train.draft_head.vocab import DraftVocab
+
+STEP_DECAY = 0.8  # a later step only counts when the earlier ones were accepted
+
+
+@dataclass
+class Batch:
+    aux: torch.Tensor  # [B, T, A*H] float32
+    input_ids: torch.Tensor  # [B, T + D - 1]: [b, u] = x[u + 1]
+    next_ids: torch.Tensor  # [B, T + D - 1]: [b, u] = x[u + 2], the token step j at t = u - j predicts
+    label_ids: torch.Tensor  # [B, T + D - 1, k] target top-k ids at index u + 1
+    label_probs: torch.Tensor  # [B, T + D - 1, k]
+    valid: torch.Tensor  # [B, T + D - 1] bool: x[u + 2] is a response token that exists
+    num_tokens: int
+
+
+def make_batch(store: FeatureStore, indices: list[int], num_steps: int) -> Batch:
+    rows = [store.get(i) for i in indices]
+    lengths = [len(store.rows[i]["ids"]) for i in indices]
+    t = max(lengths) - 1
+    width = t + num_steps - 1
+    b, k = len(indices), rows[0][1].shape[1]
+    aux = torch.zeros(b, t, rows[0][0].shape[1])
+    input_ids = torch.zeros(b, width, dtype=torch.long)
+    next_ids = torch.full((b, width), -1, dtype=torch.long)
+    label_ids = torch.zeros(b, width, k, dtype=torch.long)
+    label_probs = torch.zeros(b, width, k)
+    valid = torch.zeros(b, width, dtype=torch.bool)
+    for r, (i, (a, top_ids, top_probs)) in enumerate(zip(indices, rows, strict=True)):
+        ids, s, n = torch.tensor(store.rows[i]["ids"]), store.rows[i]["response_start"], lengths[r]
+        aux[r, :n - 1] = a[:n - 1].float()
+        input_ids[r, :n - 1] = ids[1:]
+        next_ids[r, :n - 2] = ids[2:]
+        label_ids[r, :n - 1], label_probs[r, :n - 1] = top_ids[1:], top_probs[1:]
+        valid[r, max(s - 2, 0):n - 2] = True
+    return Batch(aux, input_ids, next_ids, label_ids, label_probs, valid, int(valid.sum()))
+
+
+def ttt_loss(head: DraftHead, embed: torch.Tensor, batch: Batch, vocab: DraftVocab, to_draft: torch.Tensor,
+             num_steps: int, accept_k: int = 3) -> tuple[torch.Tensor, dict[str, float]]:
+    t = batch.aux.shape[1]
+    logits = head.ttt(embed, batch.aux, batch.input_ids, num_steps)
+    loss = torch.zeros(())
+    stats: dict[str, float] = {}
+    hits = []
+    for j, step_logits in enumerate(logits):
+        label_draft = to_draft[batch.label_ids[:, j:j + t]]  # [B, T, k], -1 outside the draft vocab
+        probs = batch.label_probs[:, j:j + t] * (label_draft >= 0)
+        mass = probs.sum(-1)  # [B, T]
+        valid = batch.valid[:, j:j + t] & (mass > 0)
+        logp = torch.log_softmax(step_logits.float(), -1).gather(-1, label_draft.clamp_min(0))  # [B, T, k]
+        ce = -(probs / mass.clamp_min(1e-12)[..., None] * logp).sum(-1)  # [B, T]
+        n = valid.sum().clamp_min(1)
+        loss = loss + STEP_DECAY ** j * (ce * valid).sum() / n
+        guess = vocab.target_ids[step_logits.argmax(-1)]  # [B, T] target ids
+        step_valid = batch.valid[:, j:j + t]
+        stats[f"ce{j}"] = ((ce * valid).sum() / n).item()
+        stats[f"top1_{j}"] = ((guess == batch.label_ids[:, j:j + t, 0]) & step_valid).sum().item() / max(
+            int(step_valid.sum()), 1)
+        hits.append((guess == batch.next_ids[:, j:j + t]) & step_valid)
+    accepted = torch.stack(hits[:accept_k], -1).long().cumprod(-1).sum(-1)  # [B, T] leading hits
+    counted = batch.valid[:, :t]
+    stats["accept_len"] = 1.0 + accepted[counted].float().mean().item() if counted.any() else 1.0
+    stats["loss"] = loss.item()
+    return loss, stats
+
+
+def init_head(head: DraftHead, target_lm_head: torch.Tensor, vocab: DraftVocab, seed: int) -> None:
+    """Small random weights, unit norms, and lm_head rows copied from the target's head at the draft ids."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name == "lm_head.weight":
+                p.copy_(target_lm_head[vocab.target_ids].float())
+            elif p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+
+
+def evaluate(head: DraftHead, embed: torch.Tensor, store: FeatureStore, batches: list[list[int]],
+             vocab: DraftVocab, to_draft: torch.Tensor, num_steps: int) -> dict[str, float]:
+    """Token-weighted held-out metrics (accept_len weighted by positions)."""
+    totals: dict[str, float] = {}
+    weight = 0
+    with torch.no_grad():
+        for indices in batches:
+            batch = make_batch(store, indices, num_steps)
+            _, stats = ttt_loss(head, embed, batch, vocab, to_draft, num_steps)
+            for key, value in stats.items():
+                totals[key] = totals.get(key, 0.0) + value * batch.num_tokens
+            weight += batch.num_tokens
+    return {f"eval_{k}": round(v / max(weight, 1), 5) for k, v in totals.items()}

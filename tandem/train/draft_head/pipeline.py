@@ -1,0 +1,145 @@
+"""`tandem train draft-head TARGET --out HEAD`: distil -> features -> draft vocabulary -> train -> export.
+Every stage writes under the work folder (data, features, checkpoint, train_log.jsonl); a rerun skips what exists."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from tandem.train.draft_head.distill import Distiller, DistillPlan, read_rows
+from tandem.train.draft_head.export import save_head
+from tandem.train.draft_head.features import FeatureStore, TargetModel, chunk_done, compute_chunk
+from tandem.train.draft_head.head import DraftHead
+from tandem.train.draft_head.loop import LoopConfig, train
+from tandem.train.draft_head.objective import init_head
+from tandem.train.draft_head.target_config import aux_layer_ids, eagle3_config, head_shape, read_target_config
+from tandem.train.draft_head.vocab import build_vocab, coverage, response_counts
+
+MIN_RESPONSE_TOKENS = 4
+
+
+@dataclass(frozen=True)
+class DraftHeadArgs:
+    target: Path
+    out: Path  # the head folder written at the end
+    work: Path  # data, features, checkpoints, log
+    gsm8k: Path
+    num_prompts: int = 3000
+    magpie_share: float = 0.5
+    max_tokens: int = 256
+    draft_vocab_size: int = 16384
+    ttt_steps: int = 3
+    epochs: int = 3
+    batch_tokens: int = 4096
+    lr: float = 1e-3
+    seed: int = 0
+    threads: int | None = None
+    max_hours: float = 24.0
+
+    def validate(self, target_vocab_size: int) -> None:
+        checks = [("num_prompts", self.num_prompts >= 1, "at least 1"),
+                  ("magpie_share", 0.0 <= self.magpie_share <= 1.0, "0 to 1"),
+                  ("max_tokens", self.max_tokens >= 4, "at least 4"),
+                  ("draft_vocab_size", 1 <= self.draft_vocab_size <= target_vocab_size,
+                   f"1 to the target's vocab_size {target_vocab_size}"),
+                  ("ttt_steps", 1 <= self.ttt_steps <= 8, "1 to 8"), ("epochs", self.epochs >= 1, "at least 1"),
+                  ("batch_tokens", self.batch_tokens >= 16, "at least 16"), ("lr", self.lr > 0, "above 0"),
+                  ("max_hours", self.max_hours > 0, "above 0")]
+        for name, ok, allowed in checks:
+            if not ok:
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)!r} is not allowed: {allowed}")
+
+
+class JsonLog:
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        line = json.dumps({"time": round(time.time(), 1), **record})
+        print(line, flush=True)
+        with self.path.open("a") as f:
+            f.write(line + "\n")
+
+
+def target_embed_and_head(target: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's input embedding [V, H] and LM head [V, H] (the embedding when tied), float32."""
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(target.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            for key in ("model.embed_tokens.weight", "lm_head.weight"):
+                if key in fh.keys():
+                    tensors[key] = fh.get_tensor(key).float()
+    embed = tensors["model.embed_tokens.weight"]
+    return embed, tensors.get("lm_head.weight", embed)
+
+
+def end_token_ids(target: Path, raw: dict[str, Any]) -> list[int]:
+    """The eos / end-of-turn ids: config's eos_token_id(s) and the tokenizer's eos token."""
+    from transformers import AutoTokenizer
+
+    eos = raw.get("eos_token_id")
+    ids = list(eos) if isinstance(eos, list) else [eos] if eos is not None else []
+    tok_eos = AutoTokenizer.from_pretrained(str(target)).eos_token_id
+    return sorted({*ids, *([tok_eos] if tok_eos is not None else [])})
+
+
+def run(args: DraftHeadArgs) -> Path:
+    started = time.time()
+    raw = read_target_config(args.target)
+    args.validate(raw["vocab_size"])
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    args.work.mkdir(parents=True, exist_ok=True)
+    log = JsonLog(args.work / "train_log.jsonl")
+    log({"stage": "start", "target": str(args.target), **{k: str(v) for k, v in vars(args).items()}})
+
+    t0 = time.time()
+    paths = Distiller(DistillPlan(args.target, args.work, args.gsm8k, args.num_prompts, args.magpie_share,
+                                  args.max_tokens, args.seed)).run()
+    chunks = [(p, [r for r in read_rows([p]) if len(r["ids"]) - r["response_start"] >= MIN_RESPONSE_TOKENS])
+              for p in paths]
+    rows = [r for _, rs in chunks for r in rs]
+    log({"stage": "distill", "seconds": round(time.time() - t0, 1), "sequences": len(rows),
+         "response_tokens": sum(len(r["ids"]) - r["response_start"] for r in rows),
+         "total_tokens": sum(len(r["ids"]) for r in rows),
+         "truncated": sum(r["finish_reason"] == "length" for r in rows)})
+
+    t0 = time.time()
+    feature_dir = args.work / "features"
+    feature_dir.mkdir(exist_ok=True)
+    stems = [(feature_dir / p.stem, rs) for p, rs in chunks]
+    missing = [(stem, rs) for stem, rs in stems if not chunk_done(stem)]
+    if missing:
+        target_model = TargetModel(args.target, aux_layer_ids(raw))
+        for stem, rs in missing:
+            compute_chunk(target_model, rs, stem)
+        del target_model
+    log({"stage": "features", "seconds": round(time.time() - t0, 1), "computed_chunks": len(missing)})
+
+    counts = response_counts(rows)
+    vocab = build_vocab(counts, args.draft_vocab_size, raw["vocab_size"], end_token_ids(args.target, raw))
+    in_vocab = sum(c for tok, c in counts.items() if bool(vocab.t2d[tok]))
+    log({"stage": "vocab", "draft_vocab_size": vocab.size,
+         "coverage": round(in_vocab / max(sum(counts.values()), 1), 5), **coverage(counts)})
+
+    shape = head_shape(raw, vocab.size)
+    head = DraftHead(shape)
+    embed, lm_head = target_embed_and_head(args.target)
+    init_head(head, lm_head, vocab, args.seed)
+    deadline = started + args.max_hours * 3600 - 120  # two minutes kept for the export
+    cfg = LoopConfig(epochs=args.epochs, batch_tokens=args.batch_tokens, lr=args.lr, num_steps=args.ttt_steps,
+                     seed=args.seed, deadline=deadline)
+    train(head, embed, FeatureStore(stems), vocab, cfg, args.work, log)
+
+    save_head(head, vocab, eagle3_config(raw, shape), args.out)
+    shutil.copyfile(args.work / "train_log.jsonl", args.out / "train_log.jsonl")
+    log({"stage": "done", "out": str(args.out), "seconds": round(time.time() - started, 1)})
+    return args.out

@@ -93,10 +93,9 @@ class Distiller:
             return path
         from tandem import SamplingParams
 
-        reqs = requests()
-        prompts = [{"prompt_token_ids": chat_ids(self.tokenizer, r)} for r in reqs]
+        prompts = [{"prompt_token_ids": chat_ids(self.tokenizer, r)} for r in requests()]
         outs = self.llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=self.plan.max_tokens),
-                                 use_tqdm=True)
+                                 use_tqdm=True) if prompts else []
         rows = [{"ids": list(o.prompt_token_ids) + list(o.outputs[0].token_ids),
                  "response_start": len(o.prompt_token_ids), "source": name.split("_")[0],
                  "finish_reason": o.outputs[0].finish_reason} for o in outs if o.outputs[0].token_ids]

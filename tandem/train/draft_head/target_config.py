@@ -25,6 +25,9 @@ def read_target_config(target: Path) -> dict[str, Any]:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"{path}: architectures={raw.get('architectures')!r} is not allowed: one of "
                          f"{list(SUPPORTED_ARCHITECTURES)}")
+    if raw.get("num_hidden_layers", 0) < 3:
+        raise ValueError(f"{path}: num_hidden_layers={raw.get('num_hidden_layers')!r} is not allowed: at least 3 "
+                         "(the aux layers are 2, L // 2 and L - 3)")
     rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":

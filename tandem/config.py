@@ -167,7 +167,7 @@ class SpeculativeConfig:
     def num_lookahead_slots(self) -> int:
         """KV slots a sampling row reserves past its tokens: model drafters (MTP, DSpark) write their own KV at
         the next step's draft positions while proposing; n-gram writes nothing."""
-        return self.max_k if self.method in ("mtp", "dspark") else 0
+        return self.max_k if self.method in ("mtp", "eagle3", "dspark") else 0
 
     @property
     def max_k(self) -> int:
@@ -175,9 +175,9 @@ class SpeculativeConfig:
 
     @property
     def prefix_keys_next_token(self) -> bool:
-        """MTP's KV entry at a block's last position was computed from the token after the block, so a cached
-        block is keyed by its tokens and that one (engine/block_manager.py)."""
-        return self.method == "mtp"
+        """MTP's (and EAGLE-3's) KV entry at a block's last position was computed from the token after the block,
+        so a cached block is keyed by its tokens and that one (engine/block_manager.py)."""
+        return self.method in ("mtp", "eagle3")
 
     @property
     def uses_mtp_layers(self) -> bool:
@@ -236,6 +236,12 @@ class SpeculativeConfig:
         if self.method == "mtp" and not model.get("num_nextn_predict_layers"):
             _fail("speculative_config.method", "mtp", f"a checkpoint with MTP layers; {model.model} has "
                   "num_nextn_predict_layers = 0")
+        if self.method == "eagle3":
+            if not self.model:
+                _fail("speculative_config.model", self.model, "the EAGLE-3 head's checkpoint folder (method 'eagle3')")
+            from tandem.models.eagle3 import Eagle3Config  # the models import this module
+
+            Eagle3Config.from_folder(self.model).check_target(model)
         if self.method == "dspark" and not self.model:
             _fail("speculative_config.model", self.model, "the DSpark drafter's checkpoint folder")
         if self.method == "ngram" and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
@@ -295,7 +301,7 @@ class CompilationConfig:
 
 COMPILATION_MODES = {"NONE": 0, "VLLM_COMPILE": 3}
 CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL")
-SPEC_METHODS = ("mtp", "dspark", "ngram")
+SPEC_METHODS = ("mtp", "eagle3", "dspark", "ngram")
 
 
 @dataclass(frozen=True)

@@ -156,6 +156,10 @@ def _drafter(kind: str, target0: torch.Tensor, target1: torch.Tensor) -> tuple[t
     gen = torch.Generator().manual_seed(13)
     if kind == "good":
         q0, q1 = [(t.log() + 0.1 * torch.randn(t.shape, generator=gen)).softmax(-1) for t in (target0, target1)]
+    elif kind == "reduced":  # an EAGLE-3 head's q: softmax over a draft vocabulary, zero on the other ids
+        draft_vocab = torch.tensor([0, 2, 3, 6])
+        q0, q1 = [torch.zeros_like(t).index_copy_(-1, draft_vocab, (t.log() + 0.3 * torch.randn(
+            t.shape, generator=gen)).index_select(-1, draft_vocab).softmax(-1)) for t in (target0, target1)]
     elif kind == "disjoint":
         q0, q1 = [(t == 0).double() / (t == 0).sum(-1, keepdim=True) for t in (target0, target1)]
     else:  # "bad": most mass where the target has least, some outside its support
@@ -172,6 +176,7 @@ def _race(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, str
     ("good", 1.0, 0, "fixed"), ("bad", 1.0, 0, "fixed"), ("disjoint", 1.0, 4, "fixed"),
     ("greedy_one_hot", 1.0, 0, "fixed"), ("bad", 0.7, 5, "fixed"),
     ("good", 1.0, 0, "auto"), ("bad", 0.7, 5, "auto"), ("greedy_one_hot", 1.0, 0, "auto"),
+    ("reduced", 1.0, 0, "fixed"), ("reduced", 0.7, 5, "auto"),
 ])
 def test_emitted_tokens_are_distributed_as_the_target(drafter, temperature, top_k, k_policy):
     """First token ~ p0; the pair (first, second) ~ p0(y1) p1(y2 | y1), where the second comes from the same

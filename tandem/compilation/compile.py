@@ -115,14 +115,27 @@ class CompiledForward:
             return self.eager(*args)
 
 
+def _graph_max_tokens(model: nn.Module, config: CompilationConfig) -> int:
+    # CUDA graphs where PIECEWISE padding gives the steps a few sizes (CPUs have no graphs to replay)
+    on_cuda = any(p.device.type == "cuda" for p in model.parameters())
+    return max(config.capture_sizes) if config.pads and on_cuda else 0
+
+
+def compile_drafter(drafter: nn.Module, what: str, config: CompilationConfig) -> None:
+    """Swap in a compiled forward for a drafter that is not part of the target (an EAGLE-3 head)."""
+    if not config.compiles:
+        return
+    _configure_inductor()
+    drafter.forward = CompiledForward(drafter.forward, what,  # type: ignore[method-assign]
+                                      _graph_max_tokens(drafter, config))
+
+
 def compile_model(model: nn.Module, config: CompilationConfig) -> None:
     """Swap in compiled forwards for the target trunk and its MTP layers (in place; eager when mode is NONE)."""
     if not config.compiles:
         return
     _configure_inductor()
-    # CUDA graphs where PIECEWISE padding gives the steps a few sizes (CPUs have no graphs to replay)
-    on_cuda = any(p.device.type == "cuda" for p in model.parameters())
-    graph_max = max(config.capture_sizes) if config.pads and on_cuda else 0
+    graph_max = _graph_max_tokens(model, config)
     model.forward = CompiledForward(model.forward, f"{type(model).__name__}.forward",  # type: ignore[method-assign]
                                     graph_max)
     mtp = getattr(model, "mtp", None)

@@ -21,12 +21,14 @@ from tandem.layers.rotary import RotaryEmbedding, rope_params
 
 class GQAAttention(nn.Module):
     def __init__(self, config: ModelConfig, tp: Group, *, bias: bool = False, qk_norm: bool = False,
-                 rotary_dim: int | None = None):
+                 rotary_dim: int | None = None, input_size: int | None = None):
         super().__init__()
         hf = config.hf
         total_heads, total_kv = hf.num_attention_heads, getattr(hf, "num_key_value_heads", hf.num_attention_heads)
         self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // total_heads
-        self.qkv_proj = QKVParallelLinear(hf.hidden_size, self.head_dim, total_heads, total_kv, bias=bias, tp=tp)
+        # input_size: an EAGLE-3 head's qkv reads [embedding | hidden] (2 H) instead of H
+        self.qkv_proj = QKVParallelLinear(input_size or hf.hidden_size, self.head_dim, total_heads, total_kv,
+                                          bias=bias, tp=tp)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, hf.hidden_size, bias=False, tp=tp)
         theta, scaling = rope_params(hf)

@@ -5,11 +5,14 @@ from __future__ import annotations
 from torch import nn
 
 from tandem.attention.backend import AttentionBackend
+from tandem.compilation.compile import compile_drafter
 from tandem.config import EngineConfig
 from tandem.models.dspark import load_dspark_drafter
+from tandem.models.eagle3 import load_eagle3_head
 from tandem.models.registry import attention_kind
 from tandem.spec_decode.draft_mode import DraftMode
 from tandem.spec_decode.dspark_proposer import DSparkProposer
+from tandem.spec_decode.eagle3_proposer import Eagle3Proposer
 from tandem.spec_decode.mtp_catch_up import defers_at_k0, defers_step0
 from tandem.spec_decode.mtp_proposer import MTPProposer
 from tandem.spec_decode.ngram_proposer import NgramProposer
@@ -29,6 +32,13 @@ def build_proposer(config: EngineConfig, target: nn.Module, draft_mode: DraftMod
                            padded_size=config.compilation_config.padded_size,
                            defers=defers_step0(spec.method, draft_mode.mode,
                                                config.parallel_config.prefill_context_parallel_size))
+    if spec.method == "eagle3":
+        assert draft_mode.backend is not None and spec.model is not None
+        head = load_eagle3_head(spec.model, model, target.model.embed_tokens, config.device)
+        compile_drafter(head, "EAGLE-3 head", config.compilation_config)
+        return Eagle3Proposer(head, target, {attention_kind(model.architecture): draft_mode.backend}, block_size,
+                              model.max_model_len, probabilistic, sharded=draft_mode.mode == "sharded",
+                              target_backends=target_backends, padded_size=config.compilation_config.padded_size)
     if spec.method == "dspark":  # always replicated over the global batch (DESIGN §5)
         assert spec.model is not None
         drafter = load_dspark_drafter(spec.model, model, spec.max_num_speculative_tokens, config.device)

@@ -62,7 +62,15 @@ class MTPProposer:
 
     def observe(self, step: TargetStep) -> None:
         if not self.sharded:
-            step.global_hidden()  # replicated step 0 reads every global token's state: restore it once, now
+            self.global_states(step)  # replicated step 0 reads every global token's state: restore it once, now
+
+    def local_states(self, step: TargetStep) -> torch.Tensor:
+        """[T_r, H] what draft step 0 reads of the target at this rank's tokens: its final-normed hidden states."""
+        return step.hidden_local
+
+    def global_states(self, step: TargetStep) -> torch.Tensor:
+        """[T(+padding), H] the same in global order (restored once a step)."""
+        return step.global_hidden()
 
     @torch.inference_mode()
     def propose(self, step: TargetStep, emitted: list[list[int]], k: int) -> Proposal:
@@ -88,7 +96,7 @@ class MTPProposer:
             h_logits, h_feedback = self._sharded_step0(shifted, step)  # [T_r, H] each
         else:
             with forward_context(step.pcp.global_metadata(batch, step.local), self.backends):
-                h_logits, h_feedback = self.mtp(shifted, batch.positions, step.global_hidden(), 0)  # [T, H] each
+                h_logits, h_feedback = self.mtp(shifted, batch.positions, self.global_states(step), 0)  # [T, H] each
         stats = extension.stats if extension is not None else {}
         if k == 0 or not last_idx:
             return Proposal([[] for _ in last_idx], stats=stats)  # step 0 only kept the MTP layer's KV up to date
@@ -136,7 +144,7 @@ class MTPProposer:
     def warmup(self, step: TargetStep, k: int) -> None:
         """Step 0 and the draft decodes at one capture size, on padding only (see ModelRunner.warmup), in the
         selected draft mode: sharded on the target's own metadata and backends, replicated on the drafter's."""
-        batch, hidden = step.batch, step.hidden_local  # padding only: the same rows on every rank
+        batch, hidden = step.batch, self.local_states(step)  # padding only: the same rows on every rank
         meta = step.local.attn_metadata
         with forward_context(meta, self.target_backends if self.sharded else self.backends):
             _, feedback = self.mtp(batch.input_ids, batch.positions, hidden, 0)
@@ -149,7 +157,7 @@ class MTPProposer:
         the caller gathers the sampling rows of the [T_r, H] outputs in global order."""
         local, pcp = step.local, step.pcp
         with forward_context(local.attn_metadata, self.backends, pcp.kv_gather()):
-            return self.mtp(pcp.localize(shifted), local.positions, step.hidden_local, 0)  # [T_r, H] each
+            return self.mtp(pcp.localize(shifted), local.positions, self.local_states(step), 0)  # [T_r, H] each
 
     def _shifted_ids(self, plan: StepPlan, batch: InputBatch,
                      emitted: list[list[int]]) -> tuple[torch.Tensor, list[int]]:

@@ -52,6 +52,10 @@ def _eval_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--url", default=None, help="evaluate an OpenAI-compatible server at this base URL instead")
     g.add_argument("--matrix", action="store_true", help="run the seed's configuration table on the model")
     g.add_argument("--num-speculative-tokens", type=int, default=3, help="K of the --matrix rows")
+    g.add_argument("--matrix-tp", type=int, default=2, help="TP size of the --matrix reference row")
+    g.add_argument("--matrix-pcp", type=int, nargs="+", default=[2], help="PCP sizes of the --matrix rows")
+    g.add_argument("--chat", action="store_true",
+                   help="each question as a user turn through the model's chat template (shots as earlier turns)")
     g.add_argument("--matrix-rows", nargs="+", default=None, metavar="NAME",
                    help="run only the --matrix rows named exactly so (e.g. 'PCP2 + greedy fixed K')")
     g.add_argument("--output-json", default=None, help="also write the results as JSON to this file")
@@ -142,6 +146,8 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     d.add_argument("--max-hours", type=float, default=24.0, help="wall-clock budget; training shortens to fit")
+    d.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,
+                   help="bf16 autocast for the head's training matmuls (weights and optimizer stay float32)")
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -155,7 +161,7 @@ def run_train(args: argparse.Namespace) -> int:
         target=Path(args.target), out=out, work=work, gsm8k=gsm8k, num_prompts=args.num_prompts,
         magpie_share=args.magpie_share, max_tokens=args.max_tokens, draft_vocab_size=args.draft_vocab_size,
         ttt_steps=args.ttt_steps, epochs=args.epochs, batch_tokens=args.batch_tokens, lr=args.lr, seed=args.seed,
-        threads=args.threads, max_hours=args.max_hours)))
+        threads=args.threads, max_hours=args.max_hours, bf16=args.bf16)))
     return 0
 
 
@@ -265,19 +271,25 @@ def run_eval(args: argparse.Namespace) -> int:
 
     questions, shots, pool = ev.load_eval_data(args.data, args.shots_data, args.num_questions, args.num_shots,
                                                args.seed, args.allow_synthetic_shots)
+    if args.chat and args.url:
+        print("tandem eval gsm8k: --chat renders prompts in-process; with --url the server's /v1/completions gets "
+              "few-shot text", file=sys.stderr)
+        return 2
     engine = vars(EngineArgs.from_cli_args(args))
     engine["max_num_seqs"] = args.concurrency
     print(f"GSM8K: {len(questions)} questions from {args.data}, {args.num_shots}-shot, temperature "
           f"{args.temperature}, seed {args.seed}; few-shot pool: {pool}", file=sys.stderr)
     if args.matrix:
         results = ev.run_matrix(engine, questions, shots, args.max_tokens, args.temperature, args.seed,
-                                args.num_speculative_tokens, args.matrix_rows)
+                                args.num_speculative_tokens, args.matrix_rows, args.matrix_tp,
+                                tuple(args.matrix_pcp), args.chat)
     elif args.url:
         results = [ev.run_against_url(args.url, args.url, args.model, questions, shots, args.max_tokens,
                                       args.temperature, args.seed, args.concurrency)]
     else:
         name = "speculative" if args.speculative_config else "no speculation"
-        results = [ev.run_in_process(name, engine, questions, shots, args.max_tokens, args.temperature, args.seed)]
+        results = [ev.run_in_process(name, engine, questions, shots, args.max_tokens, args.temperature, args.seed,
+                                     args.chat)]
     print(ev.format_table(results))
     print(f"few-shot examples: {args.num_shots} from {pool}")
     if args.output_json:

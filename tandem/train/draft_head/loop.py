@@ -32,6 +32,7 @@ class LoopConfig:
     num_steps: int  # TTT depth
     seed: int
     deadline: float  # time.time() by which training must have stopped
+    bf16: bool = True  # autocast: bf16 matmuls ran ~2.8x faster than fp32 on the 2-core AVX512-BF16 EPYC
     checkpoint_every: int = 50
     eval_every: int = 100
 
@@ -79,6 +80,10 @@ def train(head: DraftHead, embed: torch.Tensor, store: FeatureStore, vocab: Draf
     plan = [b for epoch in range(cfg.epochs)
             for b in batches(store, train_idx, cfg.batch_tokens, random.Random(cfg.seed * 1000 + epoch))]
     to_draft = vocab.to_draft()
+
+    def held_out() -> dict[str, float]:
+        return evaluate(head, embed, store, eval_batches, vocab, to_draft, cfg.num_steps, cfg.bf16)
+
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     ckpt_path = out / "checkpoint.pt"
     step, total, tokens_seen = 0, len(plan), 0
@@ -90,7 +95,7 @@ def train(head: DraftHead, embed: torch.Tensor, store: FeatureStore, vocab: Draf
         log({"stage": "resume", "step": step, "total_steps": total})
     else:
         log({"stage": "train", "train_sequences": len(train_idx), "eval_sequences": len(eval_idx),
-             "total_steps": total, **evaluate(head, embed, store, eval_batches, vocab, to_draft, cfg.num_steps),
+             "total_steps": total, **held_out(),
              "step": 0, "tokens_seen": 0})
 
     def checkpoint() -> None:
@@ -105,7 +110,8 @@ def train(head: DraftHead, embed: torch.Tensor, store: FeatureStore, vocab: Draf
         for group in opt.param_groups:
             group["lr"] = lr
         batch = make_batch(store, plan[step], cfg.num_steps)
-        loss, stats = ttt_loss(head, embed, batch, vocab, to_draft, cfg.num_steps)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+            loss, stats = ttt_loss(head, embed, batch, vocab, to_draft, cfg.num_steps)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), GRAD_CLIP)
         opt.step()
@@ -126,7 +132,7 @@ def train(head: DraftHead, embed: torch.Tensor, store: FeatureStore, vocab: Draf
                  **{k: round(v, 4) for k, v in stats.items()}})
         if step % cfg.eval_every == 0 or step == total:
             log({"stage": "eval", "step": step, "tokens_seen": tokens_seen,
-                 **evaluate(head, embed, store, eval_batches, vocab, to_draft, cfg.num_steps)})
+                 **held_out()})
         if step % cfg.checkpoint_every == 0 or step == total:
             checkpoint()
     bar.close()

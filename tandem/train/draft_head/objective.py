@@ -96,11 +96,11 @@ def init_head(head: DraftHead, target_lm_head: torch.Tensor, vocab: DraftVocab, 
 
 
 def evaluate(head: DraftHead, embed: torch.Tensor, store: FeatureStore, batches: list[list[int]],
-             vocab: DraftVocab, to_draft: torch.Tensor, num_steps: int) -> dict[str, float]:
+             vocab: DraftVocab, to_draft: torch.Tensor, num_steps: int, bf16: bool = False) -> dict[str, float]:
     """Token-weighted held-out metrics (accept_len weighted by positions)."""
     totals: dict[str, float] = {}
     weight = 0
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         for indices in batches:
             batch = make_batch(store, indices, num_steps)
             _, stats = ttt_loss(head, embed, batch, vocab, to_draft, num_steps)

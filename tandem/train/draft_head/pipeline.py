@@ -42,6 +42,7 @@ class DraftHeadArgs:
     seed: int = 0
     threads: int | None = None
     max_hours: float = 24.0
+    bf16: bool = True
 
     def validate(self, target_vocab_size: int) -> None:
         checks = [("num_prompts", self.num_prompts >= 1, "at least 1"),
@@ -136,7 +137,7 @@ def run(args: DraftHeadArgs) -> Path:
     init_head(head, lm_head, vocab, args.seed)
     deadline = started + args.max_hours * 3600 - 120  # two minutes kept for the export
     cfg = LoopConfig(epochs=args.epochs, batch_tokens=args.batch_tokens, lr=args.lr, num_steps=args.ttt_steps,
-                     seed=args.seed, deadline=deadline)
+                     seed=args.seed, deadline=deadline, bf16=args.bf16)
     train(head, embed, FeatureStore(stems), vocab, cfg, args.work, log)
 
     save_head(head, vocab, eagle3_config(raw, shape), args.out)

@@ -85,8 +85,22 @@ def load_eval_data(data: str, shots_data: str | None, num_questions: int | None,
     return questions, shots, pool_name
 
 
-def build_prompts(questions: list[Problem], shots: list[Problem]) -> list[str]:
-    return [few_shot_prompt(shots, q.question) for q in questions]
+def build_prompts(questions: list[Problem], shots: list[Problem], chat_model: str | None = None) -> list[str]:
+    """Few-shot text prompts, or with `chat_model` each question as a user turn through that folder's chat template,
+    the shots before it as user/assistant turns (lm-eval's fewshot_as_multiturn)."""
+    if chat_model is None:
+        return [few_shot_prompt(shots, q.question) for q in questions]
+    from tandem.entrypoints.openai.chat_template import ChatTemplate
+
+    template = ChatTemplate(chat_model)
+    turns = [m for s in shots for m in ({"role": "user", "content": s.question},
+                                        {"role": "assistant", "content": s.answer})]
+    return [template.render([*turns, {"role": "user", "content": q.question}]) for q in questions]
+
+
+def stop_strings(chat: bool) -> list[str] | None:
+    """A chat answer ends at the model's end of turn (its EOS); a few-shot one before the next example."""
+    return None if chat else STOP_STRINGS
 
 
 def score(result: EvalResult, questions: list[Problem], completions: list[str]) -> EvalResult:
@@ -102,13 +116,14 @@ def score(result: EvalResult, questions: list[Problem], completions: list[str]) 
 
 
 def run_in_process(name: str, engine_kwargs: dict[str, Any], questions: list[Problem], shots: list[Problem],
-                   max_tokens: int, temperature: float, seed: int) -> EvalResult:
+                   max_tokens: int, temperature: float, seed: int, chat: bool = False) -> EvalResult:
     from tandem import LLM, SamplingParams
 
     llm = LLM(**engine_kwargs)
     try:
-        prompts = build_prompts(questions, shots)  # the model's tokenizer adds its BOS, if it has one
-        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, stop=STOP_STRINGS, seed=seed)
+        # the model's tokenizer adds its BOS, if it has one
+        prompts = build_prompts(questions, shots, llm.engine.config.model_config.model if chat else None)
+        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, stop=stop_strings(chat), seed=seed)
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=True)
         result = EvalResult(name, elapsed_s=time.perf_counter() - start)
@@ -180,34 +195,41 @@ def run_against_url(name: str, url: str, model: str | None, questions: list[Prob
 DYNAMIC_K = [[8, 3], [16, 2], [32, 1]]  # K=3 for 1-8 running requests, 2 for 9-16, 1 for 17-32
 
 
-def matrix_configs(k: int) -> list[tuple[str, dict[str, Any]]]:
-    """(row name, engine kwargs on top of the base ones) in the seed's order, then the draft-mode rows."""
-    mtp = {"method": "mtp", "num_speculative_tokens": k}
-    return [
-        ("TP2 + greedy fixed K", {"tensor_parallel_size": 2, "speculative_config": mtp}),
-        ("PCP2 + greedy fixed K", {"prefill_context_parallel_size": 2, "speculative_config": mtp}),
-        ("PCP2 + greedy fixed K + PIECEWISE", {
-            "prefill_context_parallel_size": 2, "speculative_config": mtp,
-            "compilation_config": {"cudagraph_mode": "PIECEWISE",
-                                   "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64, 128]}}),
-        ("PCP2 + probabilistic fixed K", {
-            "prefill_context_parallel_size": 2, "speculative_config": {**mtp, "draft_sample_method": "probabilistic"}}),
-        ("PCP2 + probabilistic dynamic K", {
-            "prefill_context_parallel_size": 2,
-            "speculative_config": {**mtp, "draft_sample_method": "probabilistic",
-                                   "num_speculative_tokens_per_batch_size": DYNAMIC_K}}),
-        ("PCP2 + greedy fixed K, replicated draft", {
-            "prefill_context_parallel_size": 2, "speculative_config": {**mtp, "attention_backend": "CONTIGUOUS_MLA"}}),
-        ("PCP2 + DSpark greedy fixed K", {
-            "prefill_context_parallel_size": 2,
-            "speculative_config": {"method": "dspark", "num_speculative_tokens": k}}),
+# the explicit non-PCP backend that makes a drafter run replicated, by the target's attention kind
+REPLICATED_DRAFT_BACKEND = {"mla_attention": "CONTIGUOUS_MLA", "full_attention": "CONTIGUOUS_SDPA"}
+
+
+def matrix_configs(k: int, drafter: dict[str, Any] | None = None, attention_kind: str = "mla_attention",
+                   tp: int = 2, pcp_sizes: tuple[int, ...] = (2,)) -> list[tuple[str, dict[str, Any]]]:
+    """(row name, engine kwargs on top of the base ones) in the seed's order, then the draft-mode rows, for each PCP
+    size. `drafter`: the speculative config's method (and model) the rows use; MTP (plus a DSpark row) by default."""
+    spec = {**(drafter or {"method": "mtp"}), "num_speculative_tokens": k}
+    replicated = {**spec, "attention_backend": REPLICATED_DRAFT_BACKEND[attention_kind]}
+    piecewise = {"cudagraph_mode": "PIECEWISE", "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64, 128]}
+    rows: list[tuple[str, dict[str, Any]]] = [(f"TP{tp} + greedy fixed K", {"tensor_parallel_size": tp,
+                                                                           "speculative_config": spec})]
+    for p in pcp_sizes:
+        pcp = {"prefill_context_parallel_size": p}
+        rows += [
+            (f"PCP{p} + greedy fixed K", {**pcp, "speculative_config": spec}),
+            (f"PCP{p} + greedy fixed K + PIECEWISE", {**pcp, "speculative_config": spec,
+                                                      "compilation_config": piecewise}),
+            (f"PCP{p} + probabilistic fixed K", {**pcp, "speculative_config": {
+                **spec, "draft_sample_method": "probabilistic"}}),
+            (f"PCP{p} + probabilistic dynamic K", {**pcp, "speculative_config": {
+                **spec, "draft_sample_method": "probabilistic", "num_speculative_tokens_per_batch_size": DYNAMIC_K}}),
+            (f"PCP{p} + greedy fixed K, replicated draft", {**pcp, "speculative_config": replicated}),
+        ]
+        if drafter is None:
+            rows.append((f"PCP{p} + DSpark greedy fixed K", {**pcp, "speculative_config": {
+                "method": "dspark", "num_speculative_tokens": k}}))
         # owner-sharded KV (pcp_kv_layout sharded): acceptance must equal the replicated rows above
-        ("PCP2 sharded KV + greedy fixed K", {
-            "prefill_context_parallel_size": 2, "pcp_kv_layout": "sharded", "speculative_config": mtp}),
-        ("PCP2 sharded KV + greedy fixed K, replicated draft", {
-            "prefill_context_parallel_size": 2, "pcp_kv_layout": "sharded",
-            "speculative_config": {**mtp, "attention_backend": "CONTIGUOUS_MLA"}}),
-    ]
+        rows += [
+            (f"PCP{p} sharded KV + greedy fixed K", {**pcp, "pcp_kv_layout": "sharded", "speculative_config": spec}),
+            (f"PCP{p} sharded KV + greedy fixed K, replicated draft", {**pcp, "pcp_kv_layout": "sharded",
+                                                                       "speculative_config": replicated}),
+        ]
+    return rows
 
 
 def format_table(results: list[EvalResult]) -> str:
@@ -230,11 +252,22 @@ def format_table(results: list[EvalResult]) -> str:
 
 
 def run_matrix(base: dict[str, Any], questions: list[Problem], shots: list[Problem], max_tokens: int,
-               temperature: float, seed: int, k: int, only: list[str] | None = None) -> list[EvalResult]:
-    """Every row of the table, or only the rows named in `only` (an unknown name is an error)."""
-    from tandem.config import ConfigError
+               temperature: float, seed: int, k: int, only: list[str] | None = None, tp: int = 2,
+               pcp_sizes: tuple[int, ...] = (2,), chat: bool = False) -> list[EvalResult]:
+    """Every row of the table, or only the rows named in `only` (an unknown name is an error). The rows draft with
+    `base`'s speculative config (method and model; K is `k`) when it has one, else with MTP."""
+    from tandem.config import ConfigError, ModelConfig
+    from tandem.models.registry import attention_kind
 
-    configs = matrix_configs(k)
+    given = base.get("speculative_config")
+    drafter = {key: given[key] for key in ("method", "model") if key in given} if given else None
+    model = base.get("model")
+    if model is None:
+        from tandem.assets import default_model
+
+        model = default_model()
+    kind = attention_kind(ModelConfig.from_path(str(model)).architecture)
+    configs = matrix_configs(k, drafter, kind, tp, pcp_sizes)
     unknown = sorted(set(only or ()) - {name for name, _ in configs})
     if unknown:
         raise ValueError(f"--matrix-rows {unknown}: not rows of the table; one of {[n for n, _ in configs]}")
@@ -244,7 +277,8 @@ def run_matrix(base: dict[str, Any], questions: list[Problem], shots: list[Probl
             continue
         print(f"=== {name}", file=sys.stderr, flush=True)
         try:
-            results.append(run_in_process(name, {**base, **extra}, questions, shots, max_tokens, temperature, seed))
+            results.append(run_in_process(name, {**base, **extra}, questions, shots, max_tokens, temperature, seed,
+                                          chat))
         except (ConfigError, ValueError, NotImplementedError) as e:
             # a configuration whose pieces have not landed says so in its row instead of ending the run
             results.append(EvalResult(name, note=f"not run: {e}"))

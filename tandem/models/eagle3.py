@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tandem import native
 from tandem.config import ConfigError, ModelConfig
 from tandem.distributed.groups import SINGLE
 from tandem.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -197,6 +198,12 @@ class Eagle3Head(nn.Module):
         logits = draft.new_full((draft.shape[0], self.cfg.vocab_size), float("-inf"))
         logits[:, self.draft_to_target] = draft
         return logits
+
+
+    def greedy_draft(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, H] after norm -> [N] target ids of the draft vocabulary's argmax (compute_logits' argmax)."""
+        best = native.greedy_tokens(self.lm_head.compute_logits(hidden))  # [N] draft ids
+        return best if self.draft_to_target is None else self.draft_to_target[best]
 
 
 def draft_to_target_ids(d2t: torch.Tensor, cfg: Eagle3Config) -> torch.Tensor:

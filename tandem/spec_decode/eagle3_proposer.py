@@ -21,6 +21,7 @@ from tandem.attention.backend import AttentionBackend
 from tandem.models.eagle3 import Eagle3Head
 from tandem.spec_decode.mtp_proposer import MTPProposer
 from tandem.spec_decode.proposer import TargetStep
+from tandem.worker.input_batch import InputBatch
 from tandem.worker.kv_cache import allocate_kv_caches, bytes_per_block
 
 
@@ -68,6 +69,13 @@ class Eagle3Proposer(MTPProposer):
     def warmup(self, step: TargetStep, k: int) -> None:
         self._take(step)
         super().warmup(step, k)
+
+    def sample(self, h_logits: torch.Tensor, spec_step_idx: int, batch: InputBatch,
+               positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.probabilistic:  # q over the whole target vocabulary, zero off the draft vocabulary
+            return super().sample(h_logits, spec_step_idx, batch, positions)
+        # greedy: the argmax over the draft vocabulary, mapped to its target id (no [S, V] logits to fill)
+        return self.head.greedy_draft(h_logits), None
 
     def local_states(self, step: TargetStep) -> torch.Tensor:
         assert self._local is not None, "observe() takes the step's aux states before any draft pass"

@@ -106,8 +106,7 @@ class MTPProposer:
         else:
             h_logits, feedback = h_logits[sample_idx], h_feedback[sample_idx]  # [S, H] each
         positions = batch.positions[last_idx]  # [S] position of each row's last valid token
-        tokens, probs = sample_draft(self.mtp.compute_logits(h_logits, 0), batch.sampling, positions + 2,
-                                     self.probabilistic)
+        tokens, probs = self.sample(h_logits, 0, batch, positions + 2)
         drafts, draft_probs = [tokens], [probs]
         num_rows = len(last_idx)
         # a sharded drafter's own KV is sharded like the target's: its decodes attend over owned keys too
@@ -124,12 +123,18 @@ class MTPProposer:
             with forward_context(decode.at(step_pos), self.backends):
                 h_logits, feedback = self.mtp(ids, pos, fb, i)
             h_logits, feedback = h_logits[:num_rows], feedback[:num_rows]  # padding samples nothing
-            tokens, probs = sample_draft(self.mtp.compute_logits(h_logits, i), batch.sampling, step_pos + 2,
-                                         self.probabilistic)
+            tokens, probs = self.sample(h_logits, i, batch, step_pos + 2)
             drafts.append(tokens)
             draft_probs.append(probs)
         token_ids, q = pack_drafts(drafts, draft_probs, self.probabilistic)
         return Proposal(token_ids, q, stats)
+
+    def sample(self, h_logits: torch.Tensor, spec_step_idx: int, batch: InputBatch,
+               positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """h_logits: [S, H] -> (drafts [S], their distributions [S, V] when probabilistic); positions: [S] of the
+        drafts (the keys of their noise)."""
+        return sample_draft(self.mtp.compute_logits(h_logits, spec_step_idx), batch.sampling, positions,
+                            self.probabilistic)
 
     def _pad_decode(self, ids: torch.Tensor, positions: torch.Tensor, feedback: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

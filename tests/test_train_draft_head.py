@@ -221,3 +221,20 @@ def test_step0_logits_are_the_first_ttt_step(trained):
     with torch.no_grad():
         full = head.ttt(embed, aux[None], torch.cat((ids, ids[:2]))[None], 3)[0][0]
     assert torch.allclose(logits, full, atol=1e-5)
+
+
+def test_draft_step0_logits_from_folders_match_the_training_forward(trained):
+    from tandem.train.draft_head.reference import draft_step0_logits
+
+    target, out, work = trained
+    rows = [r for r in map(json.loads, (work / "data" / "gsm8k_00000.jsonl").read_text().splitlines())
+            if len(r["ids"]) - r["response_start"] >= 4]  # the rows the features were cached for
+    ids = rows[0]["ids"]
+    logits = draft_step0_logits(target, out, ids)
+    head, _, _ = load_head(out)
+    embed, _ = target_embed_and_head(target)
+    aux = FeatureStore([(work / "features" / "gsm8k_00000", rows)]).get(0)[0].float()  # cached bf16 aux
+    cached = step0_logits(head, embed, aux[:-1], torch.tensor(ids[1:]))
+    assert logits.shape == (len(ids) - 1, 256)
+    # bf16 caching of the aux states is the only difference
+    assert (logits.argmax(-1) == cached.argmax(-1)).float().mean() > 0.9

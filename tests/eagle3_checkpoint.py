@@ -61,12 +61,14 @@ def head_tensor_shapes(cfg: dict[str, Any], num_aux: int) -> dict[str, tuple[int
 
 
 def build_eagle3_head(target: Path, path: Path, *, seed: int = 0, aux_layer_ids: list[int] | None = None,
-                      draft_token_ids: list[int] | None = None, overrides: dict[str, Any] | None = None,
+                      draft_token_ids: list[int] | None = None, sizes: dict[str, Any] | None = None,
+                      overrides: dict[str, Any] | None = None,
                       drop: tuple[str, ...] = (), dtype: torch.dtype = torch.bfloat16, std: float = 0.2) -> Path:
     """Write a random head for the checkpoint in `target` into `path`. `draft_token_ids`: the target ids of a
-    reduced draft vocabulary (written as d2t/t2d); `overrides` update config.json after the tensors' shapes are
-    fixed (so a test can make the config disagree with them); `drop` leaves tensors out."""
-    cfg = head_config(target, aux_layer_ids, len(draft_token_ids) if draft_token_ids else None)
+    reduced draft vocabulary (written as d2t/t2d); `sizes` update the config before the tensors' shapes follow it
+    (e.g. a target-sized intermediate_size); `overrides` update config.json after the shapes are fixed (so a test
+    can make the config disagree with them); `drop` leaves tensors out."""
+    cfg = head_config(target, aux_layer_ids, len(draft_token_ids) if draft_token_ids else None) | (sizes or {})
     num_layers = json.loads((Path(target) / "config.json").read_text())["num_hidden_layers"]
     num_aux = len(aux_layer_ids) if aux_layer_ids else 3
     assert aux_layer_ids or num_layers >= 4, "tiny targets need explicit aux layer ids"

@@ -7,6 +7,7 @@ from torch import nn
 from tandem.attention.backend import AttentionBackend
 from tandem.compilation.compile import compile_drafter
 from tandem.config import EngineConfig
+from tandem.layers.cpu_gemm import prepack_linears
 from tandem.models.dspark import load_dspark_drafter
 from tandem.models.eagle3 import load_eagle3_head
 from tandem.models.registry import attention_kind
@@ -35,6 +36,8 @@ def build_proposer(config: EngineConfig, target: nn.Module, draft_mode: DraftMod
     if spec.method == "eagle3":
         assert draft_mode.backend is not None and spec.model is not None
         head = load_eagle3_head(spec.model, model, target.model.embed_tokens, config.device)
+        # oneDNN-packed weights as the target's (its LM head is most of a draft pass's bytes)
+        prepack_linears(head, lm_head_only=config.compilation_config.compiles)
         compile_drafter(head, "EAGLE-3 head", config.compilation_config)
         return Eagle3Proposer(head, target, {attention_kind(model.architecture): draft_mode.backend}, block_size,
                               model.max_model_len, probabilistic, sharded=draft_mode.mode == "sharded",

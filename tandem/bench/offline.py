@@ -125,6 +125,15 @@ def measured_prompts(tandem: TandemRunner, num_prompts: int, input_len: int | No
     return [flat[i * input_len:(i + 1) * input_len] for i in range(num_prompts)]
 
 
+def check_fits(prompt_ids: list[list[int]], max_tokens: int, max_model_len: int) -> list[int]:
+    """The prompts' lengths, once the longest plus `max_tokens` fits max_model_len (else no run could finish)."""
+    lens = [len(ids) for ids in prompt_ids]
+    if max(lens) + max_tokens > max_model_len:
+        raise ValueError(f"--max-tokens {max_tokens}: the longest prompt ({max(lens)} tokens) plus the output "
+                         f"exceeds max_model_len {max_model_len}")
+    return lens
+
+
 def warmup_prompts(vocab_size: int, seed: int) -> list[list[int]]:
     # Another seed than the measured prompts: warm-up must not fill the prefix cache with what is then timed.
     flat = random_token_ids(vocab_size, WARMUP_PROMPTS * WARMUP_LEN, seed + 1)
@@ -154,10 +163,7 @@ def run_offline(engine_args: EngineArgs, num_prompts: int, max_tokens: int, inpu
     dtype, batch = str(mc.dtype).removeprefix("torch."), hf_batch_size or num_prompts
     try:
         prompt_ids = measured_prompts(tandem, num_prompts, input_len, engine_args.seed)
-        lens = [len(ids) for ids in prompt_ids]
-        if max(lens) + max_tokens > mc.max_model_len:
-            raise ValueError(f"--max-tokens {max_tokens}: the longest prompt ({max(lens)} tokens) plus the output "
-                             f"exceeds max_model_len {mc.max_model_len}")
+        lens = check_fits(prompt_ids, max_tokens, mc.max_model_len)
         runners: dict[str, Runner] = {}
         if vs == "hf":
             runners[f"HF generate (batch {batch})"] = HFRunner(mc.model, mc.dtype, engine_args.device, batch)

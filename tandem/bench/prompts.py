@@ -1,19 +1,53 @@
-"""Benchmark prompts: GSM8K test questions in the eval's layout, or seeded random token ids of a fixed length."""
+"""Benchmark prompts: GSM8K test questions (in the eval's layout, or as chat turns), held-out everyday instructions,
+or seeded random token ids of a fixed length."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tandem.data.gsm8k import SHARED_GSM8K, load_jsonl, synthetic_split
 
+if TYPE_CHECKING:
+    from tandem.tokenizer import Tokenizer as TandemTokenizer
 
-def bench_prompts(num_prompts: int) -> list[str]:
-    """GSM8K test questions when ../shared is there, else the synthetic split, in the eval's layout."""
+
+def gsm8k_questions(num_prompts: int) -> list[str]:
+    """`num_prompts` GSM8K test questions (cycled) when ../shared is there, else the synthetic split's."""
     path = SHARED_GSM8K / "test.jsonl"
     problems = load_jsonl(path) if path.is_file() else synthetic_split("test", num_prompts)
-    return [f"Question: {problems[i % len(problems)].question}\nAnswer:" for i in range(num_prompts)]
+    return [problems[i % len(problems)].question for i in range(num_prompts)]
+
+
+def bench_prompts(num_prompts: int) -> list[str]:
+    """GSM8K test questions in the eval's layout."""
+    return [f"Question: {q}\nAnswer:" for q in gsm8k_questions(num_prompts)]
+
+
+def prompt_texts(kind: str, num_prompts: int) -> list[str]:
+    """`num_prompts` requests (cycled): GSM8K test questions, or the held-out everyday instructions."""
+    if kind == "everyday":
+        from tandem.data.everyday import load_everyday
+
+        instructions = load_everyday()
+        return [instructions[i % len(instructions)] for i in range(num_prompts)]
+    if kind == "gsm8k":
+        return gsm8k_questions(num_prompts)
+    raise ValueError(f"--prompts {kind!r} is not allowed: gsm8k or everyday")
+
+
+def prompt_ids(model_folder: str, tokenizer: TandemTokenizer, texts: list[str]) -> tuple[list[list[int]], bool]:
+    """Each text as a user turn through the folder's chat template (which writes its own special tokens), or as
+    plain text in a folder without one; and whether the template was used."""
+    from tandem.entrypoints.openai.chat_template import ChatTemplate
+
+    template = ChatTemplate(model_folder)
+    if not template.available:
+        return [tokenizer.encode(text) for text in texts], False
+    return [tokenizer.encode(template.render([{"role": "user", "content": text}]), add_special_tokens=False)
+            for text in texts], True
 
 
 def random_token_ids(vocab_size: int, length: int, seed: int) -> list[int]:

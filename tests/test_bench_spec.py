@@ -1,0 +1,107 @@
+"""`tandem bench spec` end to end on a tiny Llama with a random EAGLE-3 head (no vLLM): a row per (batch, K) with
+tok/s, acceptance in range, greedy outputs equal to no-spec's, a step breakdown and, for "auto", the K it chose;
+prompts go through the chat template, and without one (a copy of the target without it) as plain text; the everyday
+instructions load; bad flags exit 2."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from eagle3_checkpoint import build_eagle3_head
+
+from tandem.bench.prompts import prompt_ids, prompt_texts
+from tandem.data.everyday import load_everyday
+from tandem.entrypoints import cli
+from tandem.tokenizer import Tokenizer
+
+AUX_IDS = [0, 1, 2]  # tiny targets have 2 layers
+
+
+@pytest.fixture(scope="module")
+def target_and_head(tiny_checkpoints, tmp_path_factory):
+    target = tiny_checkpoints("llama")
+    return target, build_eagle3_head(target, tmp_path_factory.mktemp("bench-spec-head"), aux_layer_ids=AUX_IDS)
+
+
+def _spec_argv(target, head, *extra: str) -> list[str]:
+    return ["bench", "spec", str(target), "--speculative-config", json.dumps({"method": "eagle3", "model": str(head)}),
+            "--dtype", "float32", *extra]
+
+
+def test_rows_per_batch_and_k_with_acceptance_and_lossless_tokens(target_and_head, tmp_path, capsys):
+    target, head = target_and_head
+    out = tmp_path / "spec.json"
+    rc = cli.main(_spec_argv(target, head, "--k", "1", "3", "auto", "--batch-sizes", "1", "3", "--num-prompts", "2",
+                             "--max-tokens", "12", "--repeats", "2", "--output-json", str(out)))
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    result = json.loads(out.read_text())
+    got = [(r["batch_size"], r["k"]) for r in result["results"]]
+    assert got == [(b, k) for b in (1, 3) for k in (None, 1, 3, "auto")], got
+    for r in result["results"]:
+        where = f"batch {r['batch_size']} K={r['k']}: {r}"
+        assert r["engine"] == "tandem" and r["output_tokens_per_s"] > 0 and len(r["wall_s"]) == 2, where
+        assert r["tokens_equal_no_spec"] and r["num_equal_no_spec"] == r["batch_size"], where
+        if r["k"] is None:
+            assert r["speedup"] == 1.0 and r["step_breakdown"] is None and "mean_acceptance_length" not in r, where
+            continue
+        br = r["step_breakdown"]
+        if r["k"] == "auto" and br["k_histogram"].keys() == {"0"}:  # the cost model may keep K = 0: no drafts
+            assert r["counters"]["num_drafts"] == 0 and "mean_acceptance_length" not in r, where
+            continue
+        max_k = 3 if r["k"] == "auto" else r["k"]
+        assert 1 <= r["mean_acceptance_length"] <= 1 + max_k and 0 <= r["acceptance_rate"] <= 1, where
+        assert br["num_decode_steps"] > 0 and 0 < br["draft_share"] < 1 and br["pass_vs_target"] > 0, where
+        assert set(br["k_histogram"]) <= {str(k) for k in range(max_k + 1)}, where
+        if r["k"] != "auto":
+            assert set(br["k_histogram"]) == {str(r["k"])}, where
+    assert result["config"]["chat_template"] is True and result["config"]["prompts"] == "gsm8k"
+    assert result["machine"]["date"] and isinstance(result["machine"]["isa"], list)
+    assert "| 3 | auto |" in printed and "MISMATCH" not in printed and "ISA:" in printed, printed
+
+
+def test_gsm8k_prompts_fall_back_to_plain_text_without_a_chat_template(target_and_head, tmp_path, capsys):
+    target, head = target_and_head
+    plain = tmp_path / "no-template"
+    shutil.copytree(target, plain)
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    out = tmp_path / "spec.json"
+    rc = cli.main(_spec_argv(plain, head, "--k", "1", "--batch-sizes", "2", "--max-tokens", "4", "--repeats", "1",
+                             "--output-json", str(out)))
+    assert rc == 0, capsys.readouterr().out
+    result = json.loads(out.read_text())
+    tokenizer = Tokenizer(str(plain))
+    plain_lens = [len(tokenizer.encode(q)) for q in prompt_texts("gsm8k", 2)]
+    assert result["config"]["chat_template"] is False and result["prompt_lens"] == plain_lens, \
+        f"expected the plain questions ({plain_lens} tokens), got {result['prompt_lens']}"
+    assert prompt_ids(str(target), Tokenizer(str(target)), ["Hi"])[1], "the tiny target's own template was not used"
+
+
+def test_everyday_loader_returns_the_held_out_instructions():
+    instructions = load_everyday()
+    assert len(instructions) == 64 and len(set(instructions)) == 64, len(instructions)
+    assert not any(i.startswith("#") or not i.strip() for i in instructions), "a header or blank line leaked in"
+    assert prompt_texts("everyday", 66)[64:] == instructions[:2], "a larger request should cycle the instructions"
+
+
+@pytest.mark.parametrize("extra, flag", [
+    (["--k", "0"], "--k '0'"),
+    (["--k", "two"], "--k 'two'"),
+    (["--k", "2", "2"], "given twice"),
+    (["--batch-sizes", "0"], "--batch-sizes"),
+    (["--repeats", "0"], "--repeats"),
+])
+def test_bad_flag_exits_2_naming_it(target_and_head, extra, flag, capsys):
+    target, head = target_and_head
+    assert cli.main(_spec_argv(target, head, *extra)) == 2
+    err = capsys.readouterr().err
+    assert flag in err, err
+
+
+def test_without_a_speculative_config_exits_2(target_and_head, capsys):
+    assert cli.main(["bench", "spec", str(target_and_head[0])]) == 2
+    assert "--speculative-config is required" in capsys.readouterr().err

@@ -36,7 +36,7 @@ run-smollm2: $(SMOLLM2)/config.json
 
 # An EAGLE-3 draft head for SmolLM2-135M-Instruct, self-distilled on 2 CPU cores within --max-hours of wall clock;
 # a rerun resumes from build/smollm2-eagle3-work. The result is copied into tandem/assets.
-DRAFT_SMOLLM2_ARGS := --num-prompts 1024 --max-tokens 256 --epochs 4 --threads 2 --max-hours 1.5
+DRAFT_SMOLLM2_ARGS := --num-prompts 512 --max-tokens 256 --epochs 4 --threads 2 --max-hours 1.5
 train-draft-smollm2: $(SMOLLM2)/config.json
 	$(BIN)/tandem train draft-head $(SMOLLM2) --out build/smollm2-eagle3 $(DRAFT_SMOLLM2_ARGS)
 	mkdir -p tandem/assets/smollm2-135m-instruct-eagle3

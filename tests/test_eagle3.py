@@ -162,6 +162,7 @@ def _bad_head(target: Path, tmp_path: Path, **kwargs) -> Path:
     ({"aux": [0, 1, 7]}, r"eagle_aux_hidden_state_layer_ids=\[0, 1, 7\] is not allowed"),
     ({"overrides": {"architectures": ["LlamaForCausalLM"]}}, "architectures="),
     ({"overrides": {"num_hidden_layers": 2}}, "num_hidden_layers=2 is not allowed"),
+    ({"overrides": {"num_key_value_heads": 3}}, "num_key_value_heads=3 is not allowed"),
     ({"overrides": {"norm_before_fc": True}}, "norm_before_fc=true is not supported"),
     ({"overrides": {"eagle_config": {"use_aux_hidden_state": False}}}, "use_aux_hidden_state=False"),
 ])

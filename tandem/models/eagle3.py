@@ -75,6 +75,10 @@ class Eagle3Config:
         for name in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"):
             if not isinstance(raw.get(name), int) or raw[name] < 1:
                 raise ConfigError(f"{where}: {name}={raw.get(name)!r} is not allowed: a positive integer")
+        kv_heads = raw.get("num_key_value_heads", raw["num_attention_heads"])
+        if not isinstance(kv_heads, int) or kv_heads < 1 or raw["num_attention_heads"] % kv_heads:
+            raise ConfigError(f"{where}: num_key_value_heads={kv_heads!r} is not allowed: a positive divisor of "
+                              f"num_attention_heads ({raw['num_attention_heads']})")
         if raw.get("num_hidden_layers", 1) != 1:
             raise ConfigError(f"{where}: num_hidden_layers={raw.get('num_hidden_layers')!r} is not allowed: 1 "
                               "(tandem runs single-layer EAGLE-3 heads)")

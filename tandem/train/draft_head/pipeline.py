@@ -17,10 +17,10 @@ from tandem.train.draft_head.distill import Distiller, DistillPlan, read_rows
 from tandem.train.draft_head.export import save_head
 from tandem.train.draft_head.features import FeatureStore, TargetModel, chunk_done, compute_chunk
 from tandem.train.draft_head.head import DraftHead
-from tandem.train.draft_head.loop import LoopConfig, train
+from tandem.train.draft_head.loop import LoopConfig, split, train
 from tandem.train.draft_head.objective import init_head
 from tandem.train.draft_head.target_config import aux_layer_ids, eagle3_config, head_shape, read_target_config
-from tandem.train.draft_head.vocab import build_vocab, coverage, response_counts
+from tandem.train.draft_head.vocab import build_vocab, coverage, heldout_coverage, response_counts
 
 MIN_RESPONSE_TOKENS = 4
 
@@ -125,11 +125,15 @@ def run(args: DraftHeadArgs) -> Path:
         del target_model
     log({"stage": "features", "seconds": round(time.time() - t0, 1), "computed_chunks": len(missing)})
 
-    counts = response_counts(rows)
-    vocab = build_vocab(counts, args.draft_vocab_size, raw["vocab_size"], end_token_ids(args.target, raw))
-    in_vocab = sum(c for tok, c in counts.items() if bool(vocab.t2d[tok]))
-    log({"stage": "vocab", "draft_vocab_size": vocab.size,
-         "coverage": round(in_vocab / max(sum(counts.values()), 1), 5), **coverage(counts)})
+    # the vocabulary sees only the training split, so held-out acceptance counts its misses honestly
+    train_idx, eval_idx = split(len(rows), args.seed)
+    counts = response_counts([rows[i] for i in train_idx])
+    heldout = response_counts([rows[i] for i in eval_idx])
+    always = end_token_ids(args.target, raw)
+    vocab = build_vocab(counts, args.draft_vocab_size, raw["vocab_size"], always)
+    log({"stage": "vocab", "draft_vocab_size": vocab.size, "distinct_response_tokens": len(counts),
+         "heldout_coverage": coverage(vocab, heldout),
+         **heldout_coverage(counts, heldout, raw["vocab_size"], always)})
 
     shape = head_shape(raw, vocab.size)
     head = DraftHead(shape)

@@ -34,9 +34,9 @@ run-smollm2: $(SMOLLM2)/config.json
 	$(BIN)/tandem generate $(SMOLLM2) --max-tokens 48 \
 		-p "The capital of France is" -p "def fibonacci(n):" -p "Three things to pack for a hike:"
 
-# An EAGLE-3 draft head for SmolLM2-135M-Instruct, self-distilled on 2 CPU cores within --max-hours of wall clock;
+# An EAGLE-3 draft head for SmolLM2-135M-Instruct, self-distilled on 2 shared CPU cores within --max-hours;
 # a rerun resumes from build/smollm2-eagle3-work. The result is copied into tandem/assets.
-DRAFT_SMOLLM2_ARGS := --num-prompts 512 --max-tokens 256 --epochs 4 --threads 2 --max-hours 1.5
+DRAFT_SMOLLM2_ARGS := --num-prompts 1024 --max-tokens 256 --epochs 4 --threads 2 --max-hours 2.0
 train-draft-smollm2: $(SMOLLM2)/config.json
 	$(BIN)/tandem train draft-head $(SMOLLM2) --out build/smollm2-eagle3 $(DRAFT_SMOLLM2_ARGS)
 	mkdir -p tandem/assets/smollm2-135m-instruct-eagle3

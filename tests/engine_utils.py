@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from tandem import LLM
+from tandem import LLM, SamplingParams
 from tandem.attention.forward_context import forward_context
 from tandem.engine.step_plan import RowSampling, ScheduledRow, StepPlan
 from tandem.worker.input_batch import prepare_inputs
@@ -56,3 +56,23 @@ def record_steps(llm: LLM, monkeypatch) -> list[tuple]:
 
     monkeypatch.setattr(llm.engine.executor, "execute", recording_execute)
     return steps
+
+
+def spec_params(sampling: str, n: int, max_tokens: int = 12) -> list[SamplingParams]:
+    """n requests' parameters: all greedy, or sampled (temperature 0.9, top-p 0.95) with seeds 100 + i."""
+    if sampling == "greedy":
+        return [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)] * n
+    return [SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i, max_tokens=max_tokens, ignore_eos=True)
+            for i in range(n)]
+
+
+def run_tokens(path, prompts: list[list[int]], params: list[SamplingParams],
+               **engine_kwargs) -> tuple[list[list[int]], str | None, dict]:
+    """One engine over the prompt token ids, then shut down -> (output tokens, draft mode, metric values)."""
+    llm = LLM(str(path), **engine_kwargs)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+        return [o.outputs[0].token_ids for o in outs], llm.draft_mode, metrics
+    finally:
+        llm.shutdown()

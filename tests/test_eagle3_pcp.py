@@ -11,9 +11,7 @@ from pathlib import Path
 
 import pytest
 from eagle3_checkpoint import build_eagle3_head
-from engine_utils import random_prompts
-
-from tandem import LLM, SamplingParams
+from engine_utils import random_prompts, run_tokens, spec_params
 
 # Several prompts exceed the 32-token budget, so PCP segments start mid-prompt.
 LENGTHS = [4, 9, 17, 30, 45, 70]
@@ -22,22 +20,9 @@ DRAFT_BACKEND = {"sharded": "PAGED_SDPA", "replicated": "CONTIGUOUS_SDPA"}
 PIECEWISE = {"cudagraph_mode": "PIECEWISE", "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 24, 32]}
 
 
-def _params(sampling: str) -> list[SamplingParams]:
-    if sampling == "greedy":
-        return [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * len(LENGTHS)
-    return [SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i, max_tokens=12, ignore_eos=True)
-            for i in range(len(LENGTHS))]
-
-
 def _run(path: Path, sampling: str, **kwargs) -> tuple[list[list[int]], str | None, dict]:
-    llm = LLM(str(path), **ENGINE, **kwargs)
-    try:
-        prompts = random_prompts(LENGTHS, vocab_size=500, seed=31)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(sampling), use_tqdm=False)
-        metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
-        return [o.outputs[0].token_ids for o in outs], llm.draft_mode, metrics
-    finally:
-        llm.shutdown()
+    prompts = random_prompts(LENGTHS, vocab_size=500, seed=31)
+    return run_tokens(path, prompts, spec_params(sampling, len(LENGTHS)), **ENGINE, **kwargs)
 
 
 @pytest.fixture(scope="module")

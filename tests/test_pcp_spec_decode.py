@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_utils import random_prompts
+from engine_utils import random_prompts, run_tokens, spec_params
 
-from tandem import LLM, SamplingParams
+from tandem import LLM
 
 # Several prompts exceed the 32-token budget, so PCP segments start mid-prompt.
 LENGTHS = [4, 9, 17, 30, 45, 70]
@@ -23,22 +23,9 @@ K_DYNAMIC = {"num_speculative_tokens_per_batch_size": [[3, 3], [5, 2], [8, 1]]}
 PIECEWISE = {"cudagraph_mode": "PIECEWISE", "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 24, 32]}
 
 
-def _params(sampling: str) -> list[SamplingParams]:
-    if sampling == "greedy":
-        return [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * len(LENGTHS)
-    return [SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i, max_tokens=12, ignore_eos=True)
-            for i in range(len(LENGTHS))]
-
-
 def _run(path: Path, sampling: str, **kwargs) -> tuple[list[list[int]], str | None, dict]:
-    llm = LLM(str(path), **ENGINE, **kwargs)
-    try:
-        prompts = random_prompts(LENGTHS, vocab_size=500, seed=31)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(sampling), use_tqdm=False)
-        metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
-        return [o.outputs[0].token_ids for o in outs], llm.draft_mode, metrics
-    finally:
-        llm.shutdown()
+    prompts = random_prompts(LENGTHS, vocab_size=500, seed=31)
+    return run_tokens(path, prompts, spec_params(sampling, len(LENGTHS)), **ENGINE, **kwargs)
 
 
 @functools.lru_cache(maxsize=16)
@@ -78,7 +65,7 @@ def test_piecewise_padding_runs_and_changes_nothing(tiny_checkpoints, arch):
     spec = {"method": "mtp", **K_FIXED}
     llm = LLM(str(path), **ENGINE, speculative_config=spec, compilation_config=PIECEWISE)
     prompts = random_prompts(LENGTHS, vocab_size=500, seed=31)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params("greedy"), use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], spec_params("greedy", len(LENGTHS)), use_tqdm=False)
     runner = llm.engine.executor.runner
     assert runner.warmed_up_sizes == [32, 24, 16, 8, 4, 2, 1]
     assert runner.num_padding_tokens > 0

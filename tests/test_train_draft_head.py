@@ -254,8 +254,8 @@ def test_engine_drafts_with_a_trained_head_equal_its_training_forward(trained, m
     llm = LLM(str(target), dtype="float32", speculative_config={"method": "eagle3", "model": str(out),
                                                                "num_speculative_tokens": 1})
     steps = record_steps(llm, monkeypatch)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
-                        use_tqdm=False)
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
     full = {o.request_id: o.prompt_token_ids + o.outputs[0].token_ids for o in outs}
     d2t = load_head(out)[1].d2t
     emitted = {rid: 0 for rid in full}

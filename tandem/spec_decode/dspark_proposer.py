@@ -22,8 +22,6 @@ finishes at K = 0 still has its context written at the next flush (its blocks ma
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
@@ -31,6 +29,7 @@ from tandem.models.dspark import ContextPrefix, DSparkDrafter
 from tandem.spec_decode.cost_model import STEP0_DEFERRED
 from tandem.spec_decode.draft_sampling import pack_drafts, sample_draft
 from tandem.spec_decode.dspark_context import make_context_kv_writer
+from tandem.spec_decode.layer_capture import LayerCapture
 from tandem.spec_decode.proposer import Proposal, TargetStep
 from tandem.worker.input_batch import InputBatch
 
@@ -70,26 +69,16 @@ class DSparkProposer:
                  defers: bool = False):
         self.drafter, self.target, self.block_size, self.probabilistic = drafter, target, block_size, probabilistic
         self.layer_ids = drafter.config.target_layer_ids
-        self._aux: dict[int, torch.Tensor] = {}  # target layer id -> its output [T_local, target_hidden]
-        for i in set(self.layer_ids):
-            target.model.layers[i].register_forward_hook(self._keeper(i))
+        self.capture = LayerCapture({i: target.model.layers[i] for i in set(self.layer_ids)})
         self.last_confidence = torch.empty(0)  # [S, K] confidence of each draft of the last proposal
         self.context = make_context_kv_writer(drafter)
         # PCP size 1 under "auto": a K = 0 step's context write waits for the next step that drafts
         self.defers, self.deferred = defers, DeferredContext()
 
-    def _keeper(self, layer_id: int) -> Callable[[nn.Module, object, torch.Tensor], None]:
-        def keep(_module: nn.Module, _args: object, output: torch.Tensor) -> None:
-            self._aux[layer_id] = output
-
-        return keep
-
     def take_aux_hidden(self) -> torch.Tensor:
         """[T_local, len(target_layer_ids) * target_hidden]: the captured outputs of the target's last forward,
         concatenated in target_layer_ids order (one tensor, so PCP restores them in one collective)."""
-        aux = torch.cat([self._aux[i] for i in self.layer_ids], dim=-1)
-        self._aux.clear()  # a stale capture must never be written as the next step's context
-        return aux
+        return self.capture.take(self.layer_ids)
 
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         elems = sum(torch.Size(a.kv_cache_shape(1, block_size)).numel() for a in self.drafter.attention_layers())

@@ -19,6 +19,7 @@ from torch import nn
 
 from tandem.attention.backend import AttentionBackend
 from tandem.models.eagle3 import Eagle3Head
+from tandem.spec_decode.layer_capture import LayerCapture
 from tandem.spec_decode.mtp_proposer import MTPProposer
 from tandem.spec_decode.proposer import TargetStep
 from tandem.worker.input_batch import InputBatch
@@ -35,19 +36,11 @@ class Eagle3Proposer(MTPProposer):
         self.head = head
         assert head.cfg.aux_layer_ids is not None
         self.layer_ids = head.cfg.aux_layer_ids
-        self._captured: dict[int, torch.Tensor] = {}  # aux layer id -> [T_r, H_t] of the target's last forward
-        for i in set(self.layer_ids):
-            # the stream entering layer i is the output of layer i - 1 (of the embedding for i = 0)
-            module = target.model.embed_tokens if i == 0 else target.model.layers[i - 1]
-            module.register_forward_hook(self._keeper(i))
+        # the stream entering layer i is the output of layer i - 1 (of the embedding for i = 0)
+        self.capture = LayerCapture({i: target.model.embed_tokens if i == 0 else target.model.layers[i - 1]
+                                     for i in set(self.layer_ids)})
         self._local: torch.Tensor | None = None  # [T_r, n_aux * H_t] this step's aux states
         self._global: torch.Tensor | None = None  # [T(+padding), n_aux * H_t] the same in global order
-
-    def _keeper(self, layer_id: int) -> Callable[[nn.Module, object, torch.Tensor], None]:
-        def keep(_module: nn.Module, _args: object, output: torch.Tensor) -> None:
-            self._captured[layer_id] = output
-
-        return keep
 
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         return bytes_per_block(self.head, self.backends, block_size, dtype)
@@ -58,8 +51,7 @@ class Eagle3Proposer(MTPProposer):
 
     def _take(self, step: TargetStep) -> None:
         """This step's aux states from the target forward that just ran (a stale capture is never reused)."""
-        aux = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)  # [T_r, n_aux * H_t]
-        self._captured.clear()
+        aux = self.capture.take(self.layer_ids)  # [T_r, n_aux * H_t]
         self._local, self._global = step.pcp.mask_padding(aux, step.batch), None
 
     def observe(self, step: TargetStep) -> None:

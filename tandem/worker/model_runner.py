@@ -53,6 +53,8 @@ class ModelRunner:
         # which dtypes the native attention kernel serves depends on MLA (tandem/native/__init__.py)
         native.use_for(config.model_config.dtype,
                        mla=any(getattr(m, "kind", None) == MLAAttention.kind for m in self.model.modules()))
+        if torch.device(self.device).type == "cpu":
+            native.enabled()  # a first build (about a minute) happens while the engine starts, not inside a generate
         compile_model(self.model, self.compilation)
         # distributions the last proposal's drafts were sampled from, per request (probabilistic drafting)
         self.draft_probs: dict[str, torch.Tensor] = {}

@@ -215,3 +215,20 @@ def test_a_build_lock_left_by_a_killed_build_is_removed(tmp_path, monkeypatch):
     os.utime(lock, (old, old))
     assert clear_stale_build_lock("tandem_native_test") and not lock.exists()
     assert not clear_stale_build_lock("tandem_native_test")  # nothing left to remove
+
+
+def test_a_fresh_lock_of_a_killed_build_is_waited_out_not_forever(tmp_path, monkeypatch):
+    """An engine that arrives just after a build was killed finds a fresh lock: it waits until the lock is as old as
+    no build is, removes it and goes on (torch's own wait has no limit)."""
+    import time
+
+    from tandem.native import await_build_lock
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "tandem_native_test" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    start = time.monotonic()
+    await_build_lock("tandem_native_test", max_age_s=1.0, poll_s=0.05)
+    assert not lock.exists() and 0.9 < time.monotonic() - start < 30
+    await_build_lock("tandem_native_test", max_age_s=1.0)  # no lock: returns at once

@@ -98,7 +98,7 @@ def _load() -> bool:
         capability = torch.backends.cpu.get_cpu_capability()
         headers = zlib.crc32(b"".join(h.read_bytes() for h in _HEADERS))
         flags = ["-O3", "-fopenmp", *ISA_FLAGS.get(capability, []), f"-DTANDEM_NATIVE_HEADERS={headers}"]
-        clear_stale_build_lock(build_name())
+        await_build_lock(build_name())
         if needs_build(build_name()):
             # ~1 minute once per machine (`make setup` does it at install time): say so before the wait, not after
             print(f"tandem: building the native CPU kernels ({build_name()}, once per machine, about a minute) ...",
@@ -152,6 +152,22 @@ def clear_stale_build_lock(name: str, max_age_s: float = STALE_BUILD_LOCK_S) -> 
     log.warning("tandem: removing %s, left %.0f s ago by a native-kernel build that did not finish", lock, age)
     lock.unlink(missing_ok=True)
     return True
+
+
+def await_build_lock(name: str, max_age_s: float = STALE_BUILD_LOCK_S, poll_s: float = 1.0) -> None:
+    """Wait while another build of extension `name` holds its lock, and remove the lock once it is `max_age_s` old:
+    torch's builder would wait on it with no limit, and a build killed a moment ago leaves a fresh one (an engine
+    that arrived then hung in its first step for as long as anyone waited)."""
+    while True:
+        if clear_stale_build_lock(name, max_age_s):
+            return
+        try:
+            from torch.utils.cpp_extension import _get_build_directory
+        except ImportError:
+            return
+        if not (Path(_get_build_directory(name, verbose=False)) / "lock").exists():
+            return
+        time.sleep(poll_s)
 
 
 def _built() -> bool:

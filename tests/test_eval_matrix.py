@@ -53,3 +53,20 @@ def test_chat_prompts_render_shots_as_turns(smollm2):
         assert text.rstrip().endswith("<|im_start|>assistant") and q.question in text
         assert shots[0].answer in text
     assert ev.stop_strings(chat=True) is None and ev.stop_strings(chat=False) == ev.STOP_STRINGS
+
+
+def test_a_row_whose_rank_dies_is_noted_and_the_rest_still_run(tiny_checkpoints, monkeypatch, capsys):
+    from tandem.executor.multiproc import EngineDeadError
+
+    def fake_run(name, engine, *args):
+        if name == "PCP2 + greedy fixed K":
+            raise EngineDeadError("engine stopped: rank 0 died (exit code -9)")
+        return ev.EvalResult(name, correct=1, total=2, acceptance_rate=0.5, acceptance_length=2.0)
+
+    monkeypatch.setattr(ev, "run_in_process", fake_run)
+    rows = ["TP2 + greedy fixed K", "PCP2 + greedy fixed K", "PCP2 + greedy fixed K + PIECEWISE"]
+    results = ev.run_matrix({"model": str(tiny_checkpoints("llama"))}, [], [], 16, 0.0, 42, 2, rows)
+    assert [r.name for r in results] == rows
+    assert results[1].note.startswith("failed: engine stopped: rank 0 died") and not results[2].note
+    printed = capsys.readouterr().err
+    assert printed.count("| TP2 + greedy fixed K |") == 3, "the table so far is printed after every row"

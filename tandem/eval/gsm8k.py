@@ -257,6 +257,7 @@ def run_matrix(base: dict[str, Any], questions: list[Problem], shots: list[Probl
     """Every row of the table, or only the rows named in `only` (an unknown name is an error). The rows draft with
     `base`'s speculative config (method and model; K is `k`) when it has one, else with MTP."""
     from tandem.config import ConfigError, ModelConfig
+    from tandem.executor.multiproc import EngineDeadError
     from tandem.models.registry import attention_kind
 
     given = base.get("speculative_config")
@@ -282,6 +283,10 @@ def run_matrix(base: dict[str, Any], questions: list[Problem], shots: list[Probl
         except (ConfigError, ValueError, NotImplementedError) as e:
             # a configuration whose pieces have not landed says so in its row instead of ending the run
             results.append(EvalResult(name, note=f"not run: {e}"))
+        except EngineDeadError as e:  # a rank killed (out of memory, a signal): the other rows still run
+            results.append(EvalResult(name, note=f"failed: {e}"))
+        # the table so far: a run of many multi-rank rows takes hours on a small machine, and a kill loses nothing
+        print(format_table(results), file=sys.stderr, flush=True)
     return results
 
 

@@ -350,8 +350,6 @@ def test_chat_content_parts_are_joined_and_bad_messages_named(server):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("response_format", {"type": "json_object"}),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
     ("functions", [{"name": "f"}]), ("logit_bias", {"5": 100}), ("presence_penalty", 1.0),
 ])

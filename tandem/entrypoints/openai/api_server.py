@@ -23,8 +23,10 @@ from tandem.entrypoints.openai.limits import ServerLimits, install_guards
 from tandem.entrypoints.openai.prometheus import render_metrics
 from tandem.entrypoints.openai.protocol import NotFound, chat_messages, check_unicode, reject_unsupported
 from tandem.entrypoints.openai.serving import BadRequest, respond
+from tandem.entrypoints.openai.structured import compile_before_submit, structured_outputs_of
 from tandem.entrypoints.openai.tokenize import add_tokenizer_routes
 from tandem.sampling_params import MAX_LOGPROBS, SamplingParams
+from tandem.structured_output.compiler import grammar_compiler
 
 
 class _Sampling(BaseModel):
@@ -47,6 +49,8 @@ class _Sampling(BaseModel):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None  # OpenAI's: text, json_object or json_schema
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: json, regex, choice, grammar, json_object
 
 
 class CompletionRequest(_Sampling):
@@ -74,6 +78,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, model_path: str,
     limits = limits or ServerLimits()
     install_guards(app, limits)
     template = ChatTemplate(model_path, chat_template)
+    grammars = grammar_compiler(engine.engine.config)
     add_tokenizer_routes(app, engine, served_model_name, model_path, template)
 
     @app.exception_handler(RequestValidationError)
@@ -136,7 +141,9 @@ def build_app(engine: AsyncEngine, served_model_name: str, model_path: str,
                                   ignore_eos=req.ignore_eos, logprobs=logprobs,
                                   stop_token_ids=req.stop_token_ids or [], min_tokens=req.min_tokens,
                                   include_stop_str_in_output=req.include_stop_str_in_output,
-                                  skip_special_tokens=req.skip_special_tokens, prompt_logprobs=prompt_logprobs)
+                                  skip_special_tokens=req.skip_special_tokens, prompt_logprobs=prompt_logprobs,
+                                  structured_outputs=structured_outputs_of(req.response_format,
+                                                                           req.structured_outputs))
         except ValueError as e:  # named as the request names the field
             message = str(e).removeprefix("SamplingParams.")
             for internal, public in (("max_tokens=", f"{max_tokens_name}="), ("logprobs=", f"{logprobs_name}=")):
@@ -175,6 +182,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, model_path: str,
             raise BadRequest(f"prompt holds {len(prompts)} prompts: at most {limits.max_prompts_per_request} per "
                              "request (--max-prompts-per-request)")
         prompt_ids = [await check_prompt(prompt) for prompt in prompts]
+        await compile_before_submit(grammars, params)
         return await respond_to(req, params, prompts, chat=False, raw=raw, echo=req.echo, prompt_ids=prompt_ids)
 
     @app.post("/v1/chat/completions")
@@ -192,6 +200,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, model_path: str,
         except ChatTemplateError as e:
             raise BadRequest(str(e)) from e
         ids = await check_prompt(prompt)
+        await compile_before_submit(grammars, params)
         return await respond_to(req, params, [prompt], chat=True, raw=raw, prompt_ids=[ids])
 
     return app

@@ -15,7 +15,7 @@ class NotFound(Exception):
 
 # field -> the values that mean "off", which are accepted (clients often send them explicitly)
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+    "tools": ([],), "tool_choice": ("none",), "functions": ([],),
     "function_call": ("none",), "logit_bias": ({},), "suffix": ("",), "best_of": (1,),
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
 }

@@ -25,6 +25,7 @@ from tandem.entrypoints.openai.protocol import NotFound, chat_messages, check_un
 from tandem.entrypoints.openai.serving import BadRequest, respond
 from tandem.entrypoints.openai.structured import compile_before_submit, structured_outputs_of
 from tandem.entrypoints.openai.tokenize import add_tokenizer_routes
+from tandem.entrypoints.openai.tool_calls import ToolServing, tool_request
 from tandem.sampling_params import MAX_LOGPROBS, SamplingParams
 from tandem.structured_output.compiler import grammar_compiler
 
@@ -65,6 +66,8 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
 
 def _error(message: str, status: int = 400) -> JSONResponse:
@@ -73,12 +76,14 @@ def _error(message: str, status: int = 400) -> JSONResponse:
 
 
 def build_app(engine: AsyncEngine, served_model_name: str, model_path: str,
-              limits: ServerLimits | None = None, chat_template: str | None = None) -> FastAPI:
+              limits: ServerLimits | None = None, chat_template: str | None = None,
+              tool_serving: ToolServing | None = None) -> FastAPI:
     app = FastAPI(title="tandem")
     limits = limits or ServerLimits()
     install_guards(app, limits)
     template = ChatTemplate(model_path, chat_template)
     grammars = grammar_compiler(engine.engine.config)
+    tool_serving = tool_serving or ToolServing()
     add_tokenizer_routes(app, engine, served_model_name, model_path, template)
 
     @app.exception_handler(RequestValidationError)
@@ -195,13 +200,22 @@ def build_app(engine: AsyncEngine, served_model_name: str, model_path: str,
                            max_tokens_name="max_completion_tokens" if req.max_completion_tokens is not None
                            else "max_tokens")
         messages = chat_messages(req.messages)
+        tools = tool_request(req.tools, req.tool_choice, tool_serving)
+        forced = tools.constraint() if tools is not None else None
+        if forced is not None:
+            if params.structured_outputs is not None:
+                raise BadRequest(f"tool_choice={tools.mode!r} forces the output's shape: drop response_format / "
+                                 "structured_outputs")
+            params.structured_outputs = forced
         try:
-            prompt = template.render(messages)
+            prompt = template.render(messages, tools=req.tools or None)
         except ChatTemplateError as e:
             raise BadRequest(str(e)) from e
         ids = await check_prompt(prompt)
         await compile_before_submit(grammars, params)
-        return await respond_to(req, params, [prompt], chat=True, raw=raw, prompt_ids=[ids])
+        include_usage = bool((req.stream_options or {}).get("include_usage"))
+        return await respond(engine, params, [prompt], served_model_name, True, req.stream, include_usage, raw,
+                             prompt_ids=[ids], tools=tools)
 
     return app
 
@@ -211,7 +225,8 @@ def _exit_cleanly(signum: int, _frame: object) -> None:
 
 
 def run_server(args: EngineArgs, host: str, port: int, served_model_name: str | None,
-               limits: ServerLimits | None = None, chat_template: str | None = None) -> None:
+               limits: ServerLimits | None = None, chat_template: str | None = None,
+               tool_serving: ToolServing | None = None) -> None:
     import signal
 
     import uvicorn
@@ -222,7 +237,7 @@ def run_server(args: EngineArgs, host: str, port: int, served_model_name: str | 
     model = args.model or default_model() or ""
     engine = AsyncEngine(args)
     name = served_model_name or Path(model).name
-    app = build_app(engine, name, model, limits, chat_template)
+    app = build_app(engine, name, model, limits, chat_template, tool_serving)
     # uvicorn catches SIGINT/SIGTERM, drains, then re-raises the signal once it has stopped; with these
     # handlers in place that re-raise becomes SystemExit, so the `finally` below still stops the ranks.
     for signum in (signal.SIGINT, signal.SIGTERM):

@@ -155,7 +155,8 @@ def _check(endpoint: str, body: dict[str, Any], clean: bool, status: int, text: 
         if not error.get("message") or error.get("code") != status:
             return f"error not in OpenAI's shape: {text[:200]}"
         return f"a valid request got {status}: {error['message']}" if clean else None
-    stream = body.get("stream") is True
+    # pydantic's lax mode reads 1 and "yes" as true, so the answer's shape says whether it streamed
+    stream = body.get("stream") is True or text.startswith("data: ")
     if stream:
         events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
         if not events or events[-1] != "[DONE]":

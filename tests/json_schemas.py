@@ -53,6 +53,7 @@ def _value(rng: random.Random, depth: int, defs: dict[str, Any]) -> dict[str, An
     if kind == "anyOf":
         return {"anyOf": [_value(rng, depth - 1, defs) for _ in range(rng.randint(2, 3))]}
     name = f"d{len(defs)}"
+    defs[name] = {}  # the name is taken before the body is built: a nested $ref gets its own (no recursion)
     defs[name] = _object(rng, depth - 1, defs)
     return {"$ref": f"#/$defs/{name}"}
 

@@ -204,3 +204,29 @@ def _nested(depth: int) -> dict:
     for _ in range(depth):
         schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
     return schema
+
+
+def test_bundled_model_schema_suite_pcp2_mtp_k3_equals_no_spec():
+    """Must-show 1's second half: the schema suite on the bundled model (its own MTP layer) with MTP K = 3 at
+    PCP = 2 gives the tokens of one rank without drafts, greedy. Compact JSON: with free whitespace the bundled
+    model writes blank lines until max_tokens."""
+    from tandem.assets import DEFAULT_MODEL
+
+    schemas = [random_schema(300 + i) for i in range(NUM_SCHEMAS)]
+    prompts = [f"Write a JSON record number {i}." for i in range(NUM_SCHEMAS)]
+    params = [_json(s, temperature=0) for s in schemas]
+    outputs = []
+    for kwargs in ({}, {"prefill_context_parallel_size": 2,
+                        "speculative_config": {"method": "mtp", "num_speculative_tokens": 3}}):
+        engine = LLM(str(DEFAULT_MODEL), dtype="float32", max_model_len=1024,
+                     structured_outputs_config={"disable_any_whitespace": True}, **kwargs)
+        try:
+            outputs.append([o.outputs[0] for o in engine.generate(prompts, params, use_tqdm=False)])
+        finally:
+            engine.shutdown()
+    reference, spec = outputs
+    for i, (ref, out) in enumerate(zip(reference, spec, strict=True)):
+        assert out.token_ids == ref.token_ids, f"schema {i}: PCP=2 + MTP K=3 diverged from no-spec"
+        if ref.finish_reason == "stop":
+            jsonschema.validate(_parse(ref.text), schemas[i])
+    assert sum(o.finish_reason == "stop" for o in reference) >= NUM_SCHEMAS // 2, [o.text for o in reference]

@@ -40,6 +40,9 @@ STRUCTURED = [("response_format", {"type": "json_object"}), ("response_format", 
                   "required": ["b"]}}}),
               ("structured_outputs", {"choice": ["yes", "no", "世界"]}), ("structured_outputs", {"regex": r"\d{1,4}"}),
               ("structured_outputs", {"grammar": 'root ::= "a" root | "b"'})]
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}},
+         {"type": "function", "function": {"name": "g"}}]
 BAD_STRUCTURED = [("response_format", {"type": "json_schema"}), ("response_format", {"type": "xml"}),
                   ("response_format", "json"), ("structured_outputs", {"regex": "(unclosed"}),
                   ("structured_outputs", {"grammar": "root ::= nowhere"}),
@@ -127,6 +130,10 @@ class Fuzzer:
             if clean and fields["top_logprobs"] is not None:
                 fields["logprobs"] = True
             fields["max_completion_tokens"] = self.pick([None, 3], INT_EDGES, clean)
+            if self.rng.random() < 0.1 and not {"response_format", "structured_outputs"} & set(fields):
+                fields["tools"] = TOOLS  # forced calls run; "auto" is a 400 here (no --enable-auto-tool-choice)
+                fields["tool_choice"] = self.pick(["required", "none", {"type": "function", "function": {"name": "f"}}],
+                                                  ["auto", "sometimes", {"type": "function"}], clean)
         body = {k: v for k, v in fields.items() if v is not OMIT}
         return body, clean
 

@@ -299,6 +299,20 @@ class CompilationConfig:
         return next((size for size in self.capture_sizes if size >= num_tokens), num_tokens)
 
 
+STRUCTURED_OUTPUT_BACKENDS = ("xgrammar",)
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """vLLM's names (`--structured-outputs-config`). `backend`: the grammar engine; `disable_any_whitespace`: JSON
+    without free whitespace between tokens (a small model then cannot wander into endless blank lines);
+    `compile_timeout_s`: a grammar that compiles longer is refused."""
+
+    backend: str = "xgrammar"
+    disable_any_whitespace: bool = False
+    compile_timeout_s: float = 10.0
+
+
 COMPILATION_MODES = {"NONE": 0, "VLLM_COMPILE": 3}
 CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL")
 SPEC_METHODS = ("mtp", "eagle3", "dspark", "ngram")
@@ -313,6 +327,7 @@ class EngineConfig:
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     attention_config: AttentionConfig = field(default_factory=AttentionConfig)
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     device: str = "cpu"
 
     def validate(self) -> EngineConfig:
@@ -341,6 +356,11 @@ class EngineConfig:
             _fail("pcp_kv_layout", p.pcp_kv_layout, f"one of {', '.join(PCP_KV_LAYOUTS)}")
         p.check_model(m)
         self.speculative_config.validate(m)
+        so = self.structured_outputs_config
+        if so.backend not in STRUCTURED_OUTPUT_BACKENDS:
+            _fail("structured_outputs_config.backend", so.backend, f"one of {', '.join(STRUCTURED_OUTPUT_BACKENDS)}")
+        if not so.compile_timeout_s > 0:
+            _fail("structured_outputs_config.compile_timeout_s", so.compile_timeout_s, "a number of seconds > 0")
         self._reject_unsupported()
         mode = self.compilation_config.mode
         if isinstance(mode, bool) or self.compilation_config.level not in COMPILATION_MODES.values():

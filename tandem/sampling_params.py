@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.structured_output.params import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 # the server's bound on logprobs / top_logprobs (vLLM's default max_logprobs, OpenAI's top_logprobs bound); offline,
@@ -44,6 +46,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-n per prompt token (its own logprob always included)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -96,6 +99,9 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r} is invalid: True or False")
         if not (self.stop is None or isinstance(self.stop, str | list | tuple)):
             raise ValueError(f"SamplingParams.stop={self.stop!r} is invalid: None, a string or a list of strings")
+        if not isinstance(self.structured_outputs, StructuredOutputsParams | None):
+            raise ValueError(f"SamplingParams.structured_outputs={self.structured_outputs!r} is invalid: None or a "
+                             "StructuredOutputsParams")
         if not isinstance(self.stop_token_ids, list | tuple | None):
             raise ValueError(f"SamplingParams.stop_token_ids={self.stop_token_ids!r} is invalid: a list of ints")
 

@@ -17,6 +17,7 @@ from tandem.entrypoints.engine_args import EngineArgs
 from tandem.entrypoints.openai.api_server import build_app
 from tandem.entrypoints.openai.async_engine import AsyncEngine
 from tandem.entrypoints.openai.limits import ServerLimits
+from tandem.entrypoints.openai.tool_calls import ToolServing
 
 
 def free_port() -> int:
@@ -38,13 +39,14 @@ def wait_healthy(url: str, proc: subprocess.Popen | None = None, tries: int = 60
 
 
 @contextmanager
-def server_in_thread(args: EngineArgs, name: str,
-                     limits: ServerLimits | None = None) -> Iterator[tuple[str, AsyncEngine]]:
+def server_in_thread(args: EngineArgs, name: str, limits: ServerLimits | None = None,
+                     tool_serving: ToolServing | None = None) -> Iterator[tuple[str, AsyncEngine]]:
     import uvicorn
 
     engine = AsyncEngine(args)
     port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(build_app(engine, name, str(args.model), limits), host="127.0.0.1",
+    srv = uvicorn.Server(uvicorn.Config(build_app(engine, name, str(args.model), limits,
+                                                  tool_serving=tool_serving), host="127.0.0.1",
                                         port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()

@@ -34,6 +34,22 @@ BAD_TEXTS = ["", "\ud800", "x\udfff", "\x00" * 3, "word " * 400]  # empty, lone 
 INT_EDGES = [-1, 0, 2**31, 2**63 - 1, -(2**63), 2**63, 2**64, 10**6, 129]
 WRONG_TYPES = ["3", 1.5, True, None, [], {}, "hot"]
 FLOAT_EDGES = [0.0, 1e-46, 1e-300, 0.999999, 1.0, 2.0, -0.5, float("inf"), float("nan"), 1e308]
+STRUCTURED = [("response_format", {"type": "json_object"}), ("response_format", {"type": "text"}),
+              ("response_format", {"type": "json_schema", "json_schema": {"name": "p", "schema": {
+                  "type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}},
+                  "required": ["b"]}}}),
+              ("structured_outputs", {"choice": ["yes", "no", "世界"]}), ("structured_outputs", {"regex": r"\d{1,4}"}),
+              ("structured_outputs", {"grammar": 'root ::= "a" root | "b"'})]
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}},
+         {"type": "function", "function": {"name": "g"}}]
+BAD_STRUCTURED = [("response_format", {"type": "json_schema"}), ("response_format", {"type": "xml"}),
+                  ("response_format", "json"), ("structured_outputs", {"regex": "(unclosed"}),
+                  ("structured_outputs", {"grammar": "root ::= nowhere"}),
+                  ("structured_outputs", {"json": {"$ref": "#"}}),
+                  ("structured_outputs", {"choice": [str(i) for i in range(100_000)]}),
+                  ("structured_outputs", {"json": {"type": "object"}, "regex": "a"}), ("structured_outputs", [1]),
+                  ("structured_outputs", {"json": {"type": "florp"}}), ("structured_outputs", {"guided_json": {}})]
 
 
 class Fuzzer:
@@ -64,8 +80,11 @@ class Fuzzer:
             "stream_options": p([None, {"include_usage": True}], ["yes", {"include_usage": "maybe"}], clean),
             "model": p([None, "bundled"], ["gpt-9", "", 5], clean),
         }
+        if self.rng.random() < 0.1:  # a constraint: valid ones run (max_tokens may cut them: "length"), bad ones 400
+            name, value = self.rng.choice(STRUCTURED if clean else STRUCTURED + BAD_STRUCTURED)
+            fields[name] = value
         if not clean and self.rng.random() < 0.1:  # a field tandem does not implement, or an unknown one
-            name, value = self.rng.choice([("response_format", {"type": "json_object"}), ("tools", [{"x": 1}]),
+            name, value = self.rng.choice([("tools", [{"x": 1}]),
                                            ("logit_bias", {"1": 5}), ("suffix", "x"), ("best_of", 3),
                                            ("presence_penalty", 0.5), ("foo", "bar"), ("tool_choice", "auto")])
             fields[name] = value
@@ -111,6 +130,10 @@ class Fuzzer:
             if clean and fields["top_logprobs"] is not None:
                 fields["logprobs"] = True
             fields["max_completion_tokens"] = self.pick([None, 3], INT_EDGES, clean)
+            if self.rng.random() < 0.1 and not {"response_format", "structured_outputs"} & set(fields):
+                fields["tools"] = TOOLS  # forced calls run; "auto" is a 400 here (no --enable-auto-tool-choice)
+                fields["tool_choice"] = self.pick(["required", "none", {"type": "function", "function": {"name": "f"}}],
+                                                  ["auto", "sometimes", {"type": "function"}], clean)
         body = {k: v for k, v in fields.items() if v is not OMIT}
         return body, clean
 
@@ -139,7 +162,8 @@ def _check(endpoint: str, body: dict[str, Any], clean: bool, status: int, text: 
         if not error.get("message") or error.get("code") != status:
             return f"error not in OpenAI's shape: {text[:200]}"
         return f"a valid request got {status}: {error['message']}" if clean else None
-    stream = body.get("stream") is True
+    # pydantic's lax mode reads 1 and "yes" as true, so the answer's shape says whether it streamed
+    stream = body.get("stream") is True or text.startswith("data: ")
     if stream:
         events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
         if not events or events[-1] != "[DONE]":

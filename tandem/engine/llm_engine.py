@@ -26,6 +26,7 @@ from tandem.spec_decode.dspark_proposer import MAX_DEFERRED_CONTEXT_TOKENS
 from tandem.spec_decode.metrics import SpecDecodeStats
 from tandem.spec_decode.mtp_catch_up import MAX_DEFERRED_TOKENS, defers_at_k0
 from tandem.spec_decode.policy import SpecPolicy
+from tandem.structured_output.compiler import grammar_compiler
 from tandem.tokenizer import Tokenizer
 
 logger = logging.getLogger("tandem")
@@ -99,6 +100,11 @@ class LLMEngine:
             self.stats.num_requests_failed += 1
             return RequestOutput(request_id, text, token_ids, [CompletionOutput(0, "", [], "error")],
                                  finished=True, error=error)
+        if params.structured_outputs is not None:
+            # compiled before the request is queued: no step waits on a compile (the server compiles it even
+            # earlier, off its event loop, and this finds it cached); an invalid grammar raises GrammarError here
+            grammar_compiler(self.config).compile(params.structured_outputs.spec)
+            self.stats.num_structured_requests += 1
         if params.n == 1:
             return self._add(request_id, token_ids, params, text)
         children = [self._add(child_id(request_id, i), token_ids, child_params(params, i), text)
@@ -145,6 +151,7 @@ class LLMEngine:
             return []
         output = self.executor.execute(plan)
         self.stats.pcp_gathered_bytes += output.pcp_gathered_bytes
+        self.stats.grammar_s += output.grammar_s
         self.outputs.record_prompt_logprobs(plan, output, self.requests)
         self.spec_stats.add_draft_stats(output.draft_stats)
         finished = []
@@ -211,8 +218,19 @@ class LLMEngine:
             Gauge("tandem:num_requests_running", len(self.scheduler.running)),
             Gauge("tandem:num_requests_waiting", len(self.scheduler.waiting)),
             Gauge("tandem:kv_cache_usage_perc", bm.usage()),
+            *self._structured_output_metrics(),
             *self._spec_metrics(),
         ]
+
+    def _structured_output_metrics(self) -> list[Metric]:
+        if not self.stats.num_structured_requests:
+            return []
+        compiles = grammar_compiler(self.config).stats
+        return [Counter("tandem:structured_output_requests", self.stats.num_structured_requests),
+                Counter("tandem:grammar_compiles", compiles.num_compiles),
+                Counter("tandem:grammar_compile_cache_hits", compiles.num_cache_hits),
+                Counter("tandem:grammar_compile_seconds", compiles.compile_s),
+                Counter("tandem:grammar_mask_seconds", self.stats.grammar_s)]
 
     def _spec_metrics(self) -> list[Metric]:
         if not self.spec.enabled:

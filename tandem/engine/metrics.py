@@ -37,3 +37,5 @@ class EngineStats:
     num_requests_finished: int = 0
     num_requests_failed: int = 0
     pcp_gathered_bytes: int = 0
+    num_structured_requests: int = 0  # requests whose output a grammar constrains
+    grammar_s: float = 0.0  # rank 0's seconds on grammar masks and matchers

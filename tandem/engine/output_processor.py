@@ -75,7 +75,9 @@ class OutputProcessor:
             req.logprobs.append(trim_logprobs(logprobs, token, sp.logprobs or 0))
         num_out = len(req.output_token_ids)
         reason, stop_reason = None, None
-        if num_out >= sp.min_tokens:
+        if sp.structured_outputs is not None and token in self.tokenizer.eos_token_ids:
+            reason = "stop"  # the grammar has ended: EOS was the only token it allowed
+        elif num_out >= sp.min_tokens:
             if not sp.ignore_eos and token in self.tokenizer.eos_token_ids:
                 reason = "stop"
             elif token in sp.stop_token_ids:

@@ -148,10 +148,11 @@ class Scheduler:
         prompt_logprobs = sp.prompt_logprobs if start < len(req.prompt_token_ids) - 1 else None
         prefix = req.token_slice(0, start) if admitted and self.spec.keeps_token_history else None
         next_token = None if reaches_end else req.token_at(start + n)
+        grammar = sp.structured_outputs.spec if admitted and sp.structured_outputs is not None else None
         return ScheduledRow(req.request_id, req.token_slice(start, start + n) + drafts, start, list(req.block_ids),
                             is_prefill=start < req.num_tokens - 1, sampling=sampling,
                             num_draft_tokens=len(drafts), next_token_id=next_token,
-                            prompt_logprobs=prompt_logprobs, prefix_token_ids=prefix)
+                            prompt_logprobs=prompt_logprobs, prefix_token_ids=prefix, grammar=grammar)
 
     def update(self, plan: StepPlan, output: StepOutput) -> list[tuple[Request, ScheduledRow, int]]:
         """Advance computed counts, rolling back rejected drafts (their KV slots are simply overwritten

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tandem.structured_output.params import GrammarSpec
+
 
 @dataclass(frozen=True)
 class RowSampling:
@@ -38,6 +40,8 @@ class ScheduledRow:
     # on admission, for proposers that keep a token history (n-gram): the tokens before num_computed_tokens
     # (a prefix-cache hit), sent once
     prefix_token_ids: list[int] | None = None
+    # on admission, for a request whose output a grammar constrains: what every rank builds its matcher from
+    grammar: GrammarSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -66,3 +70,4 @@ class StepOutput:
     prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
     draft_s: float = 0.0  # wall seconds this rank spent in the drafter's hooks (observe + propose), for "auto" K
     pcp_gathered_bytes: int = 0  # bytes this rank received from PCP all-gathers in the step (K/V, queries, partials)
+    grammar_s: float = 0.0  # wall seconds this rank spent on grammar masks and matchers in the step

@@ -69,6 +69,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: folder name)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto": the model decides, --tool-call-parser reads its calls')
+    p.add_argument("--tool-call-parser", default=None, choices=("hermes", "llama3_json"),
+                   help="how the model writes tool calls: hermes (Qwen2.5/Qwen3), llama3_json (Llama 3.1+)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file or string, instead of the model folder's own")
     d = ServerLimits()
@@ -299,14 +303,19 @@ def _served_model_name(args: argparse.Namespace) -> str:
 def run_serve(args: argparse.Namespace) -> int:
     from tandem.entrypoints.openai.api_server import run_server
     from tandem.entrypoints.openai.chat_template import resolve_chat_template
+    from tandem.entrypoints.openai.tool_calls import ToolServing
 
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port={args.port} is not allowed: 0 to 65535")
     limits = ServerLimits.with_env_key(args.api_key, max_n=args.max_n,
                                        max_prompts_per_request=args.max_prompts_per_request,
                                        max_request_bytes=args.max_request_bytes)
     chat_template = resolve_chat_template(args.chat_template)
-    run_server(EngineArgs.from_cli_args(args), args.host, args.port, args.served_model_name, limits, chat_template)
+    tool_serving = ToolServing(args.enable_auto_tool_choice, args.tool_call_parser)
+    run_server(EngineArgs.from_cli_args(args), args.host, args.port, args.served_model_name, limits, chat_template,
+               tool_serving)
     return 0
 
 

@@ -20,6 +20,7 @@ from tandem.config import (
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    StructuredOutputsConfig,
 )
 from tandem.entrypoints.model_folder import check_model_folder
 
@@ -46,6 +47,7 @@ class EngineArgs:
     speculative_config: dict[str, Any] | None = None
     attention_config: dict[str, Any] | None = None
     compilation_config: dict[str, Any] | None = None
+    structured_outputs_config: dict[str, Any] | None = None
     device: str = "cpu"
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -78,6 +80,8 @@ class EngineArgs:
             speculative_config=_sub(SpeculativeConfig, "speculative_config", speculative),
             attention_config=_sub(AttentionConfig, "attention_config", self.attention_config),
             compilation_config=_sub(CompilationConfig, "compilation_config", self.compilation_config),
+            structured_outputs_config=_sub(StructuredOutputsConfig, "structured_outputs_config",
+                                           self.structured_outputs_config),
             device=self.device,
         ).validate()
 
@@ -100,7 +104,7 @@ class EngineArgs:
                        help="under PCP, every rank holds the whole KV (replicated) or each token's K/V lives on "
                             "one rank (sharded: context capacity grows with the PCP size)")
         p.add_argument("--enable-expert-parallel", action="store_true")
-        for name in ("speculative", "attention", "compilation"):
+        for name in ("speculative", "attention", "compilation", "structured-outputs"):
             p.add_argument(f"--{name}-config", type=_json_arg, default=None, help="JSON object")
         p.add_argument("--device", default=d.device)
 

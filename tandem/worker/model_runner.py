@@ -21,6 +21,7 @@ from tandem.spec_decode.draft_mode import resolve_draft_mode
 from tandem.spec_decode.factory import build_proposer
 from tandem.spec_decode.proposer import Proposer, TargetStep
 from tandem.spec_decode.rejection_sampler import rejection_sample
+from tandem.structured_output.grammar_masks import GrammarMasks
 from tandem.worker.host_memory import keep_freed_memory
 from tandem.worker.input_batch import InputBuffers, global_attention_metadata, padding_batch, prepare_inputs
 from tandem.worker.kv_cache import allocate_kv_caches, attention_modules, bytes_per_block
@@ -58,6 +59,7 @@ class ModelRunner:
         compile_model(self.model, self.compilation)
         # distributions the last proposal's drafts were sampled from, per request (probabilistic drafting)
         self.draft_probs: dict[str, torch.Tensor] = {}
+        self.grammar = GrammarMasks(config)  # per-request matchers of constrained requests
 
     def num_kv_blocks(self) -> int:
         cache = self.config.cache_config
@@ -110,7 +112,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
         self._free(plan.finished_request_ids)
-        gathered_before = self.pcp.bytes_gathered
+        self.grammar.admit(plan)
+        gathered_before, grammar_before = self.pcp.bytes_gathered, self.grammar.mask_s
         # GLOBAL batch, same on every rank; under PIECEWISE padded up to a capture size
         batch = prepare_inputs(plan, self.block_size, self.device, self.compilation.padded_size(plan.num_tokens),
                                self.inputs)
@@ -131,11 +134,12 @@ class ModelRunner:
             ids = [plan.rows[i].request_id for i in batch.sample_rows]
             self.draft_probs = dict(zip(ids, proposal.draft_probs, strict=True))
         return StepOutput(emitted, logprobs, proposal.draft_token_ids, proposal.stats, prompt_logprobs, draft_s,
-                          self.pcp.bytes_gathered - gathered_before)
+                          self.pcp.bytes_gathered - gathered_before, self.grammar.mask_s - grammar_before)
 
     def _free(self, request_ids: list[str]) -> None:
         if request_ids:
             self.proposer.free(request_ids)
+            self.grammar.free(request_ids)
             for rid in request_ids:
                 self.draft_probs.pop(rid, None)
 
@@ -164,8 +168,9 @@ class ModelRunner:
             return [], []
         # only the rows whose logits are computed cross PCP ranks, not every prompt token's hidden state
         logits = self.model.compute_logits(step.hidden_rows(batch.logits_indices))  # [sum_i (K_i + 1), V] f32
-        emitted = self._emit(step, logits)
-        return emitted, self._logprobs(step, logits, emitted)
+        emitted = self._emit(step, self.grammar.maybe_mask(step.plan, batch, logits))
+        self.grammar.advance(step.plan, batch, emitted)
+        return emitted, self._logprobs(step, logits, emitted)  # logprobs of the raw model, as without a grammar
 
     def _emit(self, step: TargetStep, logits: torch.Tensor) -> list[list[int]]:
         batch = step.batch

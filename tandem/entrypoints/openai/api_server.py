@@ -23,8 +23,11 @@ from tandem.entrypoints.openai.limits import ServerLimits, install_guards
 from tandem.entrypoints.openai.prometheus import render_metrics
 from tandem.entrypoints.openai.protocol import NotFound, chat_messages, check_unicode, reject_unsupported
 from tandem.entrypoints.openai.serving import BadRequest, respond
+from tandem.entrypoints.openai.structured import compile_before_submit, structured_outputs_of
 from tandem.entrypoints.openai.tokenize import add_tokenizer_routes
+from tandem.entrypoints.openai.tool_calls import ToolServing, tool_request
 from tandem.sampling_params import MAX_LOGPROBS, SamplingParams
+from tandem.structured_output.compiler import grammar_compiler
 
 
 class _Sampling(BaseModel):
@@ -47,6 +50,8 @@ class _Sampling(BaseModel):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None  # OpenAI's: text, json_object or json_schema
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: json, regex, choice, grammar, json_object
 
 
 class CompletionRequest(_Sampling):
@@ -61,6 +66,8 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
 
 def _error(message: str, status: int = 400) -> JSONResponse:
@@ -69,11 +76,14 @@ def _error(message: str, status: int = 400) -> JSONResponse:
 
 
 def build_app(engine: AsyncEngine, served_model_name: str, model_path: str,
-              limits: ServerLimits | None = None, chat_template: str | None = None) -> FastAPI:
+              limits: ServerLimits | None = None, chat_template: str | None = None,
+              tool_serving: ToolServing | None = None) -> FastAPI:
     app = FastAPI(title="tandem")
     limits = limits or ServerLimits()
     install_guards(app, limits)
     template = ChatTemplate(model_path, chat_template)
+    grammars = grammar_compiler(engine.engine.config)
+    tool_serving = tool_serving or ToolServing()
     add_tokenizer_routes(app, engine, served_model_name, model_path, template)
 
     @app.exception_handler(RequestValidationError)
@@ -136,7 +146,9 @@ def build_app(engine: AsyncEngine, served_model_name: str, model_path: str,
                                   ignore_eos=req.ignore_eos, logprobs=logprobs,
                                   stop_token_ids=req.stop_token_ids or [], min_tokens=req.min_tokens,
                                   include_stop_str_in_output=req.include_stop_str_in_output,
-                                  skip_special_tokens=req.skip_special_tokens, prompt_logprobs=prompt_logprobs)
+                                  skip_special_tokens=req.skip_special_tokens, prompt_logprobs=prompt_logprobs,
+                                  structured_outputs=structured_outputs_of(req.response_format,
+                                                                           req.structured_outputs))
         except ValueError as e:  # named as the request names the field
             message = str(e).removeprefix("SamplingParams.")
             for internal, public in (("max_tokens=", f"{max_tokens_name}="), ("logprobs=", f"{logprobs_name}=")):
@@ -175,6 +187,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, model_path: str,
             raise BadRequest(f"prompt holds {len(prompts)} prompts: at most {limits.max_prompts_per_request} per "
                              "request (--max-prompts-per-request)")
         prompt_ids = [await check_prompt(prompt) for prompt in prompts]
+        await compile_before_submit(grammars, params)
         return await respond_to(req, params, prompts, chat=False, raw=raw, echo=req.echo, prompt_ids=prompt_ids)
 
     @app.post("/v1/chat/completions")
@@ -187,12 +200,22 @@ def build_app(engine: AsyncEngine, served_model_name: str, model_path: str,
                            max_tokens_name="max_completion_tokens" if req.max_completion_tokens is not None
                            else "max_tokens")
         messages = chat_messages(req.messages)
+        tools = tool_request(req.tools, req.tool_choice, tool_serving)
+        forced = tools.constraint() if tools is not None else None
+        if forced is not None:
+            if params.structured_outputs is not None:
+                raise BadRequest(f"tool_choice={tools.mode!r} forces the output's shape: drop response_format / "
+                                 "structured_outputs")
+            params.structured_outputs = forced
         try:
-            prompt = template.render(messages)
+            prompt = template.render(messages, tools=req.tools or None)
         except ChatTemplateError as e:
             raise BadRequest(str(e)) from e
         ids = await check_prompt(prompt)
-        return await respond_to(req, params, [prompt], chat=True, raw=raw, prompt_ids=[ids])
+        await compile_before_submit(grammars, params)
+        include_usage = bool((req.stream_options or {}).get("include_usage"))
+        return await respond(engine, params, [prompt], served_model_name, True, req.stream, include_usage, raw,
+                             prompt_ids=[ids], tools=tools)
 
     return app
 
@@ -202,7 +225,8 @@ def _exit_cleanly(signum: int, _frame: object) -> None:
 
 
 def run_server(args: EngineArgs, host: str, port: int, served_model_name: str | None,
-               limits: ServerLimits | None = None, chat_template: str | None = None) -> None:
+               limits: ServerLimits | None = None, chat_template: str | None = None,
+               tool_serving: ToolServing | None = None) -> None:
     import signal
 
     import uvicorn
@@ -213,7 +237,7 @@ def run_server(args: EngineArgs, host: str, port: int, served_model_name: str | 
     model = args.model or default_model() or ""
     engine = AsyncEngine(args)
     name = served_model_name or Path(model).name
-    app = build_app(engine, name, model, limits, chat_template)
+    app = build_app(engine, name, model, limits, chat_template, tool_serving)
     # uvicorn catches SIGINT/SIGTERM, drains, then re-raises the signal once it has stopped; with these
     # handlers in place that re-raise becomes SystemExit, so the `finally` below still stops the ranks.
     for signum in (signal.SIGINT, signal.SIGTERM):

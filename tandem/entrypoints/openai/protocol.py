@@ -4,6 +4,7 @@ value and what is allowed, as vLLM and OpenAI answer."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from tandem.entrypoints.openai.serving import BadRequest
@@ -15,11 +16,11 @@ class NotFound(Exception):
 
 # field -> the values that mean "off", which are accepted (clients often send them explicitly)
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+    "functions": ([],),
     "function_call": ("none",), "logit_bias": ({},), "suffix": ("",), "best_of": (1,),
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
 }
-_ROLES = ("system", "user", "assistant")
+_ROLES = ("system", "user", "assistant", "tool")
 
 
 def reject_unsupported(extra: dict[str, Any] | None) -> None:
@@ -30,9 +31,11 @@ def reject_unsupported(extra: dict[str, Any] | None) -> None:
                              f"{', '.join(repr(v) for v in _UNSUPPORTED[name])})")
 
 
-def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
+def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Messages as the chat template takes them: a role and a string content. A list of parts is joined (text
-    parts only, "\\n" between them, as vLLM does); anything else is a 400 naming the message."""
+    parts only, "\\n" between them, as vLLM does); anything else is a 400 naming the message. An assistant turn may
+    carry `tool_calls` (its content may then be null; arguments reach the template parsed, as vLLM passes them), a
+    tool turn its `tool_call_id` and `name`."""
     if not messages:
         raise BadRequest("messages=[] is not allowed: at least one message")
     out = []
@@ -40,7 +43,31 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
         role = message.get("role")
         if role not in _ROLES:
             raise BadRequest(f"messages[{i}].role={_short(role)} is not allowed: one of {', '.join(_ROLES)}")
-        out.append({"role": role, "content": _content(i, message.get("content"))})
+        calls = message.get("tool_calls") if role == "assistant" else None
+        content = message.get("content")
+        entry: dict[str, Any] = {"role": role, "content": "" if content is None and calls else _content(i, content)}
+        if calls:
+            entry["tool_calls"] = _tool_calls(i, calls)
+        if role == "tool":
+            entry |= {k: message[k] for k in ("tool_call_id", "name") if isinstance(message.get(k), str)}
+        out.append(entry)
+    return out
+
+
+def _tool_calls(i: int, calls: Any) -> list[dict[str, Any]]:
+    if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                              for c in calls):
+        raise BadRequest(f"messages[{i}].tool_calls={_short(calls)} is invalid: a list of "
+                         '{"type": "function", "function": {"name": ..., "arguments": "..."}}')
+    out = []
+    for call in calls:
+        function = dict(call["function"])
+        if isinstance(function.get("arguments"), str):
+            try:
+                function["arguments"] = json.loads(function["arguments"])
+            except json.JSONDecodeError:
+                pass  # the template gets the text as it was sent
+        out.append({**call, "function": function})
     return out
 
 

@@ -14,7 +14,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -23,6 +23,9 @@ from tandem.entrypoints.openai.async_engine import AsyncEngine, Delta, EngineSto
 from tandem.entrypoints.openai.text_stream import TextStream
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tandem.entrypoints.openai.tool_calls import ToolRequest
 
 
 class BadRequest(Exception):
@@ -85,9 +88,11 @@ async def _watch_disconnect(raw: Request, engine: AsyncEngine, request_ids: list
 
 async def respond(engine: AsyncEngine, params: SamplingParams, prompts: list[str | list[int]], model: str,
                   chat: bool, stream: bool, include_usage: bool, raw: Request, echo: bool = False,
-                  prompt_ids: list[list[int]] | None = None) -> Any:
+                  prompt_ids: list[list[int]] | None = None, tools: ToolRequest | None = None) -> Any:
     """echo (completions): each choice's text starts with its prompt's text. prompt_ids: the prompts already
-    tokenized (off the event loop), which the engine then takes instead of tokenizing on its own thread."""
+    tokenized (off the event loop), which the engine then takes instead of tokenizing on its own thread. tools
+    (chat): the output is read for tool calls; streamed, the message then comes whole in the last chunk (a call
+    is only known once its text is complete)."""
     kind = "chat.completion" if chat else "text_completion"
     echoed = [(p if isinstance(p, str) else engine.tokenizer.decode(p)) if echo else "" for p in prompts]
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -122,7 +127,7 @@ async def respond(engine: AsyncEngine, params: SamplingParams, prompts: list[str
         for final in finals:
             if final.error is not None:
                 _raise_for(final)
-        choices = [_choice(engine, params, chat, i * n + out.index, out, echoed[i], final)
+        choices = [_choice(engine, params, chat, i * n + out.index, out, echoed[i], final, tools)
                    for i, final in enumerate(finals) for out in final.outputs]
         return {"id": rid, "object": kind, "created": created, "model": model, "choices": choices,
                 "usage": _usage(finals)}
@@ -140,6 +145,16 @@ async def respond(engine: AsyncEngine, params: SamplingParams, prompts: list[str
             choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         body = {"id": rid, "object": f"{kind}.chunk" if chat else kind, "created": created, "model": model,
                 "choices": [choice]}
+        return f"data: {json.dumps(body)}\n\n"
+
+    def tool_chunk(index: int, text: str, finish: str | None) -> str:
+        assert tools is not None
+        message, finish = tools.message(text, finish)
+        delta = {k: v for k, v in message.items() if k != "role" and v is not None}
+        if "tool_calls" in delta:
+            delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(delta["tool_calls"])]
+        body = {"id": rid, "object": f"{kind}.chunk", "created": created, "model": model,
+                "choices": [{"index": index, "delta": delta, "finish_reason": finish}]}
         return f"data: {json.dumps(body)}\n\n"
 
     # One queue merges the prompts' delta streams: (prompt index, delta).
@@ -185,8 +200,13 @@ async def respond(engine: AsyncEngine, params: SamplingParams, prompts: list[str
                 finals.append(delta.final)
                 for out in delta.final.outputs:
                     index = i * n + out.index
-                    yield chunk(index, texts[index].finish(out.text), out.finish_reason)
+                    if tools is not None:
+                        yield tool_chunk(index, out.text, out.finish_reason)
+                    else:
+                        yield chunk(index, texts[index].finish(out.text), out.finish_reason)
                 continue
+            if tools is not None:
+                continue  # held back: the whole message goes in the last chunk
             index = i * n + delta.index
             new = texts[index].push(delta.token_ids)
             entries = logprobs[index].entries(delta.token_ids, delta.logprobs) \
@@ -212,9 +232,11 @@ def _raise_for(final: RequestOutput) -> None:
 
 
 def _choice(engine: AsyncEngine, params: SamplingParams, chat: bool, index: int, out: Any,
-            echoed: str = "", final: RequestOutput | None = None) -> dict[str, Any]:
+            echoed: str = "", final: RequestOutput | None = None, tools: ToolRequest | None = None) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": index, "finish_reason": out.finish_reason}
-    if chat:
+    if chat and tools is not None:
+        choice["message"], choice["finish_reason"] = tools.message(out.text, out.finish_reason)
+    elif chat:
         choice["message"] = {"role": "assistant", "content": out.text}
     else:
         choice["text"] = echoed + out.text

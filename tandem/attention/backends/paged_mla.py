@@ -13,7 +13,8 @@ import torch
 
 from tandem.attention import expanded_prefix
 from tandem.attention.backend import AttentionBackend, register_backend
-from tandem.attention.backends.prefix import own_key_attention, prefix_attention, write_kv
+from tandem.attention.backends.prefix import own_key_attention, paged_metadata, prefix_attention, write_kv
+from tandem.attention.batch import AttentionBatch
 from tandem.attention.metadata import SHORT_ROW_TOKENS, AttentionMetadata, gather_rows, select_rows
 from tandem.attention.mla import (
     MLAUpProjection,
@@ -46,6 +47,10 @@ class PagedMLABackend(AttentionBackend):
     @classmethod
     def supports_kv_sharding(cls) -> bool:
         return True
+
+    @classmethod
+    def prepare_metadata(cls, batch: AttentionBatch) -> AttentionMetadata | ShardedAttentionMetadata:
+        return paged_metadata(cls, batch)  # the CPU plan (metadata.py), or the owned keys under sharded KV
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: int) -> tuple[int, ...]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tandem.attention.expanded_prefix import KeptExpansion
 from tandem.attention.forward_context import get_forward_context
 from tandem.attention.mla import MLAUpProjection
 from tandem.compilation import opaque_ops
@@ -68,8 +69,17 @@ class MLAAttention(nn.Module):
         super().__init__()
         self.num_heads, self.kv_lora_rank = num_heads, kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim, self.scale = qk_nope_head_dim, qk_rope_head_dim, v_head_dim, scale
-        self.kv_cache = torch.empty(0)
+        self.kv_cache = torch.empty(0)  # (with kept_prefix: a shared prefix's expansion, kept across steps)
         self.layer_name = opaque_ops.register_layer(self)
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        return self._kv_cache
+
+    @kv_cache.setter
+    def kv_cache(self, cache: torch.Tensor) -> None:
+        self._kv_cache = cache
+        self.kept_prefix = KeptExpansion()  # an expansion of the old cache's latents says nothing of the new one's
 
     def kv_spec(self) -> tuple[int, int]:
         return self.kv_lora_rank, self.rope_dim
@@ -86,7 +96,7 @@ class MLAAttention(nn.Module):
         ctx = get_forward_context()
         w = kv_b_weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         up = MLAUpProjection(w_uk=w[:, : self.nope_dim], w_uv=w[:, self.nope_dim:],  # [H, nope, L], [H, v, L]
-                             w_kv_b=kv_b_weight)
+                             w_kv_b=kv_b_weight, kept=self.kept_prefix)
         entries = ctx.gather_kv(torch.cat((kv_c, k_pe), dim=-1))  # [T (or P * max_local under PCP), L + rope]
         meta, backend, exchange = ctx.metadata(self.kind), ctx.backends[self.kind], ctx.kv_exchange
         if exchange is not None:  # owner-sharded KV: every rank's queries over its own latents, merged by LSE

@@ -1,5 +1,6 @@
 """The paged CPU backends' metadata (PAGED_SDPA, PAGED_MLA): the step's batch (tandem/attention/batch.py) planned
-for the CPU, built by those backends' `prepare_metadata` and read by no one else.
+for the CPU, built by those backends' `prepare_metadata` (plan_batch) and read only by them. The contiguous backends'
+row groups and the sharded KV layout's owned-key plan reuse its grouping helpers and bounds.
 
 Short rows (decodes, verification rows) are padded into groups, read in place as contiguous key runs, or handed to
 the native kernel; long rows (prompt chunks) are attended whole over their gathered keys; keys that several rows

@@ -137,7 +137,7 @@ def replicated_attention_s(config: dict, prompt_len: int, chunk: int, pcp: int, 
     warm-up round. Random
     latents and weights of the bundled model's shapes: time, not values."""
     from tandem.attention.backends.contiguous import ContiguousMLABackend
-    from tandem.attention.metadata import build_attention_metadata
+    from tandem.attention.batch import AttentionBatch
     from tandem.attention.mla import MLAUpProjection
 
     heads, lora, rope = config["num_attention_heads"], config["kv_lora_rank"], config["qk_rope_head_dim"]
@@ -150,9 +150,10 @@ def replicated_attention_s(config: dict, prompt_len: int, chunk: int, pcp: int, 
         cache = torch.zeros(num_blocks, block, lora + rope)  # [blocks, block, L + R] this rank's MTP layer cache
         for start in range(0, prompt_len, chunk):
             n = min(chunk, prompt_len - start)
-            meta = build_attention_metadata(torch.arange(start, start + n), torch.tensor([0, n], dtype=torch.int32),
-                                            torch.tensor([start + n], dtype=torch.int32), table, block,
-                                            torch.arange(n), torch.arange(start, start + n))
+            meta = ContiguousMLABackend.prepare_metadata(AttentionBatch(
+                positions=torch.arange(start, start + n), query_start_loc_cpu=torch.tensor([0, n], dtype=torch.int32),
+                seq_lens_cpu=torch.tensor([start + n], dtype=torch.int32), block_table=table, block_size=block,
+                write_rows=torch.arange(n), write_slots=torch.arange(start, start + n)))
             ContiguousMLABackend.forward_mla(torch.randn(n, heads, nope), torch.randn(n, heads, rope),
                                              torch.randn(n, lora + rope), cache, meta, (nope + rope) ** -0.5, up)
 

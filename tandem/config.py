@@ -104,7 +104,7 @@ class ParallelConfig:
     enable_expert_parallel: bool = False
     decode_context_parallel_size: int = 1  # accepted as a name only: DCP is outside tandem's contract
     # where each token's K/V lives under PCP: "replicated" (every rank holds the whole context) or "sharded"
-    # (on the rank that owns its KV block, worker/pcp_kv.py: context capacity grows with the PCP size)
+    # (on the rank that owns its KV block, attention/kv_ownership.py: context capacity grows with the PCP size)
     pcp_kv_layout: str = "replicated"
 
     @property

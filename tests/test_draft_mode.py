@@ -69,6 +69,7 @@ def test_replicated_draft_metadata_is_the_single_rank_metadata():
     what a single-rank run builds for the same step."""
     import torch
 
+    from tandem.attention.backends.paged_mla import PagedMLABackend
     from tandem.distributed.groups import Group
     from tandem.engine.step_plan import RowSampling, ScheduledRow, StepPlan
     from tandem.worker.input_batch import global_attention_metadata, prepare_inputs
@@ -85,10 +86,12 @@ def test_replicated_draft_metadata_is_the_single_rank_metadata():
     replicated = global_attention_metadata(batch, 16)
     for field in ("positions", "query_start_loc_cpu", "seq_lens_cpu", "block_table", "write_rows", "write_slots"):
         assert torch.equal(getattr(replicated, field), getattr(single, field)), field
-    assert (replicated.native_rows is None) == (single.native_rows is None)
-    if single.native_rows is not None:
-        assert torch.equal(replicated.native_rows, single.native_rows)
-    assert len(replicated.groups) == len(single.groups)
-    for a, b in zip(replicated.groups, single.groups, strict=True):
+    backend = PagedMLABackend  # the plan each backend builds from a batch depends on the batch alone
+    planned, single_plan = replicated.metadata_for(backend), single.metadata_for(backend)
+    assert (planned.native_rows is None) == (single_plan.native_rows is None)
+    if single_plan.native_rows is not None:
+        assert torch.equal(planned.native_rows, single_plan.native_rows)
+    assert len(planned.groups) == len(single_plan.groups)
+    for a, b in zip(planned.groups, single_plan.groups, strict=True):
         assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("token_idx", "token_valid", "kv_slots", "mask"))
     assert local.positions.shape[0] < batch.num_tokens  # the target's local view is a different thing

@@ -5,6 +5,8 @@ End to end (greedy tokens of a batch behind a cached prefix, with and without MT
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -24,7 +26,7 @@ def _up(seed: int = 0) -> MLAUpProjection:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(HEADS * (NOPE + V), LORA, generator=g) / 4  # kv_b_proj's weight
     w3 = w.view(HEADS, NOPE + V, LORA)
-    return MLAUpProjection(w_uk=w3[:, :NOPE], w_uv=w3[:, NOPE:], w_kv_b=w)
+    return MLAUpProjection(w_uk=w3[:, :NOPE], w_uv=w3[:, NOPE:], w_kv_b=w, kept=expanded_prefix.KeptExpansion())
 
 
 def _table(seq_lens: list[int], shared_blocks: int) -> np.ndarray:
@@ -110,9 +112,9 @@ def _shared(num_keys: int, first_slot: int = 0) -> SharedPrefix:
 
 def _fresh(cache_flat: torch.Tensor, shared: SharedPrefix, up: MLAUpProjection) -> expanded_prefix.ExpandedPrefix:
     """An expansion built from scratch on a cache of its own (the oracle of the kept ones)."""
-    cache = cache_flat.clone()
-    assert expanded_prefix.lookup(cache, cache, shared, up, torch.float32) is None
-    kept = expanded_prefix.lookup(cache, cache, shared, up, torch.float32)
+    cache, own = cache_flat.clone(), dataclasses.replace(up, kept=expanded_prefix.KeptExpansion())
+    assert expanded_prefix.lookup(cache, shared, own, torch.float32) is None
+    kept = expanded_prefix.lookup(cache, shared, own, torch.float32)
     assert kept is not None
     return kept
 
@@ -123,59 +125,66 @@ def test_second_sighting_writes_weights_growth_and_bound():
     flat = kv_cache.flatten(0, 1)
     up = _up()
     prefix = _shared(320)
-    assert expanded_prefix.lookup(kv_cache, flat, prefix, up, torch.float32) is None  # seen once: absorbed
-    kept = expanded_prefix.lookup(kv_cache, flat, prefix, up, torch.float32)
+    assert expanded_prefix.lookup(flat, prefix, up, torch.float32) is None  # seen once: absorbed
+    kept = expanded_prefix.lookup(flat, prefix, up, torch.float32)
     assert kept is not None and kept.keys.shape == (HEADS, 320, NOPE + ROPE)
-    assert expanded_prefix.lookup(kv_cache, flat, prefix, up, torch.float32) is kept  # kept across steps
-    expanded_prefix.note_writes(kv_cache, torch.tensor([320, 500, 1000]))  # writes beside the prefix: kept
-    assert expanded_prefix.lookup(kv_cache, flat, prefix, up, torch.float32) is kept
+    assert expanded_prefix.lookup(flat, prefix, up, torch.float32) is kept  # kept across steps
+    expanded_prefix.note_writes(up, torch.tensor([320, 500, 1000]))  # writes beside the prefix: kept
+    assert expanded_prefix.lookup(flat, prefix, up, torch.float32) is kept
     # a shorter prefix (fewer rows share) is a view of the kept one; a longer one expands only its new keys
-    shrunk = expanded_prefix.lookup(kv_cache, flat, _shared(256), up, torch.float32)
+    shrunk = expanded_prefix.lookup(flat, _shared(256), up, torch.float32)
     assert shrunk is not None and shrunk.keys.data_ptr() == kept.keys.data_ptr()
-    grown = expanded_prefix.lookup(kv_cache, flat, _shared(400), up, torch.float32)
+    grown = expanded_prefix.lookup(flat, _shared(400), up, torch.float32)
     assert grown is not None and grown.num_keys == 400
     oracle = _fresh(flat, _shared(400), up)
     torch.testing.assert_close(grown.keys, oracle.keys, rtol=0, atol=0)
     torch.testing.assert_close(grown.values, oracle.values, rtol=0, atol=0)
     # a write into the prefix's slots (its blocks reused) drops it; the next sightings rebuild it from the new latents
     flat[17] += 1.0
-    expanded_prefix.note_writes(kv_cache, torch.tensor([900, 17]))
-    assert expanded_prefix.lookup(kv_cache, flat, _shared(400), up, torch.float32) is None
-    rebuilt = expanded_prefix.lookup(kv_cache, flat, _shared(400), up, torch.float32)
+    expanded_prefix.note_writes(up, torch.tensor([900, 17]))
+    assert expanded_prefix.lookup(flat, _shared(400), up, torch.float32) is None
+    rebuilt = expanded_prefix.lookup(flat, _shared(400), up, torch.float32)
     assert rebuilt is not None
     torch.testing.assert_close(rebuilt.keys, _fresh(flat, _shared(400), up).keys, rtol=0, atol=0)
     assert not torch.equal(rebuilt.keys[:, 17], oracle.keys[:, 17])
     # new kv_b weights (an in-place update bumps the version): expanded again
     assert up.w_kv_b is not None
     up.w_kv_b.mul_(2.0)
-    assert expanded_prefix.lookup(kv_cache, flat, _shared(400), up, torch.float32) is None
-    again = expanded_prefix.lookup(kv_cache, flat, _shared(400), up, torch.float32)
+    assert expanded_prefix.lookup(flat, _shared(400), up, torch.float32) is None
+    again = expanded_prefix.lookup(flat, _shared(400), up, torch.float32)
     assert again is not None
     torch.testing.assert_close(again.values, 2 * rebuilt.values)
     # a prefix at other slots is another prefix: seen once first
-    assert expanded_prefix.lookup(kv_cache, flat, _shared(320, first_slot=480), up, torch.float32) is None
+    assert expanded_prefix.lookup(flat, _shared(320, first_slot=480), up, torch.float32) is None
 
 
 def test_a_prefix_past_the_bound_stays_absorbed(monkeypatch):
     kv_cache = torch.randn(64, BLOCK, LORA + ROPE)
     flat = kv_cache.flatten(0, 1)
     per_key = HEADS * 2 * (NOPE + ROPE) * 4
+    up = _up()
     monkeypatch.setattr(expanded_prefix, "MAX_BYTES", 320 * per_key - 1)
     for _ in range(3):
-        assert expanded_prefix.lookup(kv_cache, flat, _shared(320), _up(), torch.float32) is None
+        assert expanded_prefix.lookup(flat, _shared(320), up, torch.float32) is None
     monkeypatch.setattr(expanded_prefix, "MAX_BYTES", 320 * per_key)
-    expanded_prefix.lookup(kv_cache, flat, _shared(320), _up(), torch.float32)
-    assert expanded_prefix.lookup(kv_cache, flat, _shared(320), _up(), torch.float32) is not None
+    expanded_prefix.lookup(flat, _shared(320), up, torch.float32)
+    assert expanded_prefix.lookup(flat, _shared(320), up, torch.float32) is not None
 
 
-def test_entries_go_with_their_cache():
-    kv_cache = torch.randn(64, BLOCK, LORA + ROPE)
-    flat = kv_cache.flatten(0, 1)
-    expanded_prefix.lookup(kv_cache, flat, _shared(320), _up(), torch.float32)
-    assert id(kv_cache) in expanded_prefix._entries
-    key = id(kv_cache)
-    del kv_cache, flat
-    assert key not in expanded_prefix._entries
+def test_the_kept_expansion_lives_with_its_layer_and_its_cache():
+    """Each MLA layer holds its own kept expansion (no module-global table keyed by cache ids); binding a new cache to
+    the layer starts it afresh."""
+    from tandem.attention.layer import MLAAttention
+
+    layer, other = (MLAAttention(HEADS, LORA, NOPE, ROPE, V, SCALE) for _ in range(2))
+    layer.kv_cache = torch.randn(64, BLOCK, LORA + ROPE)
+    up = dataclasses.replace(_up(), kept=layer.kept_prefix)
+    flat = layer.kv_cache.flatten(0, 1)
+    expanded_prefix.lookup(flat, _shared(320), up, torch.float32)
+    assert expanded_prefix.lookup(flat, _shared(320), up, torch.float32) is layer.kept_prefix.prefix is not None
+    assert other.kept_prefix.prefix is None
+    layer.kv_cache = torch.randn(64, BLOCK, LORA + ROPE)
+    assert layer.kept_prefix.prefix is None and layer.kept_prefix.seen is None
 
 
 @pytest.mark.parametrize("reads", ["torch", "native"])
@@ -198,7 +207,7 @@ def test_a_prompt_chunk_behind_the_kept_prefix_reuses_it(monkeypatch, request, r
     entries = torch.randn(2, LORA + ROPE, generator=g)
     for _ in range(2):  # the decode rows' steps: the prefix is kept expanded from the second
         PagedMLABackend.forward_mla(*qd, entries, kv_cache, decodes, SCALE, up)
-    assert expanded_prefix.peek(kv_cache, up, torch.float32) is not None
+    assert expanded_prefix.peek(up, torch.float32) is not None
     shared_args = []
     real_long = mla_mod.long_row_attention
     monkeypatch.setattr(mla_mod, "long_row_attention", lambda *a: shared_args.append(a[-1]) or real_long(*a))

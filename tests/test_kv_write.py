@@ -11,8 +11,7 @@ from tandem.attention.sharded_kv import ShardedAttentionMetadata
 
 
 def _meta(write_rows: torch.Tensor, write_slots: torch.Tensor) -> ShardedAttentionMetadata:
-    return ShardedAttentionMetadata(rows=[], write_rows=write_rows, write_slots=write_slots,
-                                    gather_queries=lambda q: q, merge=lambda o, lse: o)
+    return ShardedAttentionMetadata(rows=[], write_rows=write_rows, write_slots=write_slots)
 
 
 def test_write_kv_equals_the_gathered_write_for_every_kind_of_write_rows() -> None:

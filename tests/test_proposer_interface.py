@@ -77,6 +77,28 @@ def test_model_runner_never_asks_which_drafter_it_has():
     assert not imported & {"MTPProposer", "DSparkProposer", "NgramProposer"}
 
 
+def _isinstance_types(path: Path) -> set[str]:
+    """Every name that the type argument of an isinstance call in `path` mentions."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance":
+            for part in ast.walk(node.args[1]):
+                names |= {part.id} if isinstance(part, ast.Name) else {part.attr} if isinstance(part, ast.Attribute) \
+                    else set()
+    return names
+
+
+def test_attention_worker_and_drafters_never_ask_which_metadata_or_proposer_they_have():
+    """Backends own their metadata and drafters are driven through the Proposer interface: nothing in attention/,
+    worker/ or spec_decode/ dispatches with isinstance on metadata, batches, PCP hooks or proposers."""
+    package = Path(model_runner.__file__).parents[1]
+    files = [f for folder in ("attention", "worker", "spec_decode") for f in sorted((package / folder).rglob("*.py"))]
+    assert len(files) > 20
+    for path in files:
+        asked = {n for n in _isinstance_types(path) if n.endswith(("Metadata", "Batch", "Hooks", "Proposer"))}
+        assert not asked, f"{path.relative_to(package)} dispatches with isinstance on {sorted(asked)}"
+
+
 def test_target_step_restores_global_rows_once():
     from tandem.worker.pcp_hooks import PCPHooks
 

@@ -12,12 +12,12 @@ from hypothesis import strategies as st
 
 from tandem.attention.backends.paged_mla import PagedMLABackend
 from tandem.attention.backends.paged_sdpa import PagedSDPABackend
+from tandem.attention.kv_ownership import local_slots, owned_plan, owned_writes, owner_rank
 from tandem.attention.mla import MLAUpProjection, absorb
 from tandem.attention.sharded_kv import ShardedAttentionMetadata, merge_partials
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.request import Request
 from tandem.sampling_params import SamplingParams
-from tandem.worker.pcp_kv import local_slots, owned_plan, owned_writes, owner_rank
 
 
 def _layout(rng: np.random.Generator, pcp: int, block_size: int, seq_lens: list[int], blocks_per_rank: int
@@ -146,7 +146,7 @@ def _sharded(pcp: int, block_size: int, seed: int):
 def _meta(plan) -> ShardedAttentionMetadata:
     groups, rows = plan
     none = torch.zeros(0, dtype=torch.int64)
-    return ShardedAttentionMetadata(rows, none, none, lambda x: x, lambda o, lse: o, groups=groups)
+    return ShardedAttentionMetadata(rows, none, none, groups=groups)
 
 
 def _fill_caches(keys: torch.Tensor, table: np.ndarray, seq_lens: list[int], block_size: int, pcp: int,

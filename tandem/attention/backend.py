@@ -1,9 +1,13 @@
 """Attention backend interface, registry and selector.
 
-A backend is a class with capability flags and a forward over the paged cache. `supports_pcp()`
-states what the forward really does: True only when each query segment's causal prefix is read
-from the paged cache after the step's (gathered) K/V write, so a segment on any rank sees every
-earlier token.
+A backend is a class that declares its capabilities (the kinds it serves, `supports_pcp`, `supports_kv_sharding`),
+the shape of its paged cache (`kv_cache_shape`), builds its own metadata from the step's batch (`prepare_metadata`:
+a CPU backend plans padded groups, in-place key runs or native-kernel rows; a backend that needs nothing builds
+nothing) and runs the forward over the paged cache with it. Adding a backend is one file that registers a subclass;
+it is then selectable by name (`attention_config.backend`).
+
+`supports_pcp()` states what the forward really does: True only when each query segment's causal prefix is read
+from the paged cache after the step's (gathered) K/V write, so a segment on any rank sees every earlier token.
 """
 
 from __future__ import annotations
@@ -12,8 +16,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from tandem.attention.metadata import AttentionMetadata
-from tandem.attention.sharded_kv import ShardedAttentionMetadata
+from tandem.attention.batch import AttentionBatch
 from tandem.config import EngineConfig
 
 ATTENTION_KINDS = ("full_attention", "mla_attention")
@@ -22,6 +25,7 @@ ATTENTION_KINDS = ("full_attention", "mla_attention")
 class AttentionBackend:
     name: ClassVar[str]
     kinds: ClassVar[tuple[str, ...]]
+    automatic: ClassVar[bool] = True  # automatic selection may pick it (False: by name only, e.g. an oracle)
 
     @classmethod
     def supports_pcp(cls) -> bool:
@@ -29,33 +33,46 @@ class AttentionBackend:
 
     @classmethod
     def supports_kv_sharding(cls) -> bool:
-        """True when the backend attends over owner-sharded KV (pcp_kv_layout sharded): forward_sharded /
-        forward_mla_sharded return partial outputs with their LSE over the keys this rank owns."""
+        """True when the backend attends over owner-sharded KV (pcp_kv_layout sharded): its metadata of a batch
+        with a `kv_shard` covers the keys this rank owns, and forward_sharded / forward_mla_sharded return partial
+        outputs with their log-sum-exp, which the attention layer merges over the ranks."""
         return False
 
     @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, *kv_spec: int) -> tuple[int, ...]:
+        """The layer's paged cache; kv_spec is the layer's `kv_spec()`: (num_kv_heads, head_dim) for
+        full_attention, (kv_lora_rank, qk_rope_head_dim) for mla_attention."""
+        raise NotImplementedError
+
+    @classmethod
+    def prepare_metadata(cls, batch: AttentionBatch) -> Any:
+        """The backend's own metadata of `batch`, handed to every forward of the batch (built once per batch by
+        AttentionBatch.metadata_for). The default needs nothing beyond the batch itself."""
+        return batch
+
+    @staticmethod
     def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: Any, scale: float) -> torch.Tensor:
         """full_attention backends: q [T, Hq, D], k/v [T, Hkv, D] this step's K/V -> [T, Hq, D]."""
         raise NotImplementedError
 
     @staticmethod
     def forward_mla(q_nope: torch.Tensor, q_pe: torch.Tensor, entries: torch.Tensor, kv_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, up: Any) -> torch.Tensor:
+                    meta: Any, scale: float, up: Any) -> torch.Tensor:
         """mla_attention backends: q_nope [T, H, nope], q_pe [T, H, rope], entries [T, L + rope] this step's
         latents, `up` the MLAUpProjection (W_UK, W_UV) -> [T, H, v]."""
         raise NotImplementedError
 
     @staticmethod
     def forward_sharded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                        meta: ShardedAttentionMetadata, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                        meta: Any, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """full_attention, sharded KV: q [T_global, Hq, D] every query of the step, k/v the (gathered) new K/V
         -> partial (out [T_global, Hq, D] float32, lse [T_global, Hq]) over the keys this rank owns."""
         raise NotImplementedError
 
     @staticmethod
     def forward_mla_sharded(q: torch.Tensor, entries: torch.Tensor, kv_cache: torch.Tensor,
-                            meta: ShardedAttentionMetadata, scale: float, up: Any) -> tuple[torch.Tensor, torch.Tensor]:
+                            meta: Any, scale: float, up: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """mla_attention, sharded KV: q [T_global, H, nope + rope] every query of the step, entries the (gathered)
         new latents -> partial (out [T_global, H, v] float32, lse [T_global, H]) over the owned keys."""
         raise NotImplementedError
@@ -70,7 +87,7 @@ def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
 
 
 def registered_backends() -> dict[str, type[AttentionBackend]]:
-    import tandem.attention.backends  # noqa: F401  (registers the built-in backends)
+    import tandem.attention.backends  # noqa: F401  (imports every backend module, which registers its backends)
 
     return dict(_REGISTRY)
 
@@ -108,6 +125,6 @@ def select_backend(kind: str, requested: str | None, use_pcp: bool) -> type[Atte
     # Automatic selection prefers PCP-capable backends even without PCP, so the choice does not
     # change with the layout (and a drafter resolved with use_pcp=True gets the same one).
     for cls in sorted(backends.values(), key=lambda c: not c.supports_pcp()):
-        if kind in cls.kinds and (cls.supports_pcp() or not use_pcp):
+        if cls.automatic and kind in cls.kinds and (cls.supports_pcp() or not use_pcp):
             return cls
     raise ValueError(f"no attention backend serves {kind} with use_pcp={use_pcp}")

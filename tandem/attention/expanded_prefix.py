@@ -8,8 +8,10 @@ so it is expanded once per layer and the per-head keys and values are kept besid
 (MTP K = 3 verification) x 4 heads over a 912-key prefix the prefix's attention falls from ~7.4 to ~1.8 ms a layer
 (one CPU thread pair, float32, the expansion ~2.8 ms once).
 
-The kept expansion is valid while the prefix's cache slots hold what they held when it was built. Every write into
-a paged MLA cache goes through the backend, which reports the slots it wrote (`note_writes`): a write into a kept
+The kept expansion lives with its layer (`KeptExpansion`, held by MLAAttention and handed to the backend as
+MLAUpProjection.kept; a layer given a new cache starts it afresh), never in a module-global table. It is valid while
+the prefix's cache slots hold what they held when it was built. Every write into a paged MLA cache goes through the
+backend, which reports the slots it wrote (`note_writes`): a write into a kept
 prefix's slots (its blocks freed, evicted and reused by another request) drops it. A prefix is expanded on its
 second sighting in a row, so a prefix seen for one step only (rows that happen to meet once) is not expanded for
 nothing; a prefix that grows (more whole blocks shared) expands only its new keys, one that shrinks is a view. A
@@ -20,7 +22,6 @@ Bounded: at most MAX_BYTES a layer (DeepSeek-V3's 128 heads x (192 + 128) channe
 from __future__ import annotations
 
 import functools
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -62,36 +63,16 @@ class ExpandedPrefix:
 
 
 @dataclass
-class _Entry:
+class KeptExpansion:
+    """One MLA layer's kept expansion, and a prefix it saw once and has not expanded yet."""
+
     prefix: ExpandedPrefix | None = None
     seen: torch.Tensor | None = None  # [P] slots of a prefix seen once, not yet expanded
 
 
-# one entry per MLA layer's cache tensor, by id (a tensor's == is elementwise, so no WeakKeyDictionary): an engine
-# torn down takes its entries with it
-_entries: dict[int, tuple[weakref.ref[torch.Tensor], _Entry]] = {}
-
-
-def _entry(kv_cache: torch.Tensor, create: bool) -> _Entry | None:
-    key = id(kv_cache)
-    item = _entries.get(key)
-    if item is not None and item[0]() is kv_cache:
-        return item[1]
-    if not create:
-        return None
-
-    def forget(ref: weakref.ref[torch.Tensor]) -> None:
-        if key in _entries and _entries[key][0] is ref:
-            del _entries[key]
-
-    entry = _Entry()
-    _entries[key] = (weakref.ref(kv_cache, forget), entry)
-    return entry
-
-
-def note_writes(kv_cache: torch.Tensor, write_slots: torch.Tensor) -> None:
-    """The backend wrote `write_slots` [W] int64 of `kv_cache`: a kept expansion over any of them is dropped."""
-    entry = _entry(kv_cache, create=False)
+def note_writes(up: MLAUpProjection, write_slots: torch.Tensor) -> None:
+    """The backend wrote `write_slots` [W] int64 of up's layer's cache: a kept expansion over any of them is dropped."""
+    entry = up.kept
     if entry is None or entry.prefix is None or not write_slots.numel():
         return
     lo, hi = entry.prefix.slot_range  # one range test first: a step's writes are rarely near the prefix
@@ -100,28 +81,29 @@ def note_writes(kv_cache: torch.Tensor, write_slots: torch.Tensor) -> None:
         entry.prefix = None
 
 
-def peek(kv_cache: torch.Tensor, up: MLAUpProjection, dtype: torch.dtype) -> ExpandedPrefix | None:
+def peek(up: MLAUpProjection, dtype: torch.dtype) -> ExpandedPrefix | None:
     """The layer's kept expansion as it stands (no sighting counted, nothing built), when it still matches the kv_b
     weights and dtype: for prompt chunks whose keys start with it."""
-    entry = _entry(kv_cache, create=False)
-    kept = None if entry is None else entry.prefix
+    kept = None if up.kept is None else up.kept.prefix
     if kept is None or kept.keys.dtype != dtype or kept.weight != (up.kv_b().data_ptr(), up.kv_b()._version):
         return None
     return kept
 
 
-def lookup(kv_cache: torch.Tensor, cache_flat: torch.Tensor, shared: SharedPrefix, up: MLAUpProjection,
+def lookup(cache_flat: torch.Tensor, shared: SharedPrefix, up: MLAUpProjection,
            dtype: torch.dtype) -> ExpandedPrefix | None:
-    """The expansion of `shared`'s keys for this layer, built or extended when it pays; None: attend them absorbed.
-    cache_flat: [num_slots, L + rope] the layer's latent cache (kv_cache flattened)."""
+    """The expansion of `shared`'s keys for up's layer, built or extended when it pays; None: attend them absorbed
+    (also when the caller keeps no expansion: up.kept None). cache_flat: [num_slots, L + rope] the layer's latent
+    cache (flattened)."""
+    entry = up.kept
+    if entry is None:
+        return None
     heads, nope, lora = up.w_uk.shape
     rope = cache_flat.shape[-1] - lora
     width = nope + rope
     if shared.num_keys * heads * 2 * width * torch.finfo(dtype).bits // 8 > MAX_BYTES:
         return None
     weight = (up.kv_b().data_ptr(), up.kv_b()._version)
-    entry = _entry(kv_cache, create=True)
-    assert entry is not None
     kept = entry.prefix
     if kept is not None and (kept.weight != weight or kept.keys.dtype != dtype):
         kept = entry.prefix = None

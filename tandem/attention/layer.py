@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tandem.attention.expanded_prefix import KeptExpansion
 from tandem.attention.forward_context import get_forward_context
 from tandem.attention.mla import MLAUpProjection
-from tandem.attention.sharded_kv import ShardedAttentionMetadata
 from tandem.compilation import opaque_ops
 
 
@@ -42,11 +42,11 @@ class Attention(nn.Module):
             k, v = kv[:, 0], kv[:, 1]
         else:
             k, v = k.reshape(t, self.num_kv_heads, self.head_dim), v.reshape(t, self.num_kv_heads, self.head_dim)
-        meta, backend = ctx.attn_metadata, ctx.backends[self.kind]
+        meta, backend, exchange = ctx.metadata(self.kind), ctx.backends[self.kind], ctx.kv_exchange
         q = q.view(t, self.num_heads, self.head_dim)
-        if isinstance(meta, ShardedAttentionMetadata):  # owner-sharded KV: every rank's queries over own keys
-            o, lse = backend.forward_sharded(meta.gather_queries(q), k, v, self.kv_cache, meta, self.scale)
-            return meta.merge(o, lse).to(q.dtype).reshape(t, self.num_heads * self.head_dim)
+        if exchange is not None:  # owner-sharded KV: every rank's queries over its own keys, partials merged by LSE
+            o, lse = backend.forward_sharded(exchange.gather_queries(q), k, v, self.kv_cache, meta, self.scale)
+            return exchange.merge(o, lse).to(q.dtype).reshape(t, self.num_heads * self.head_dim)
         out = backend.forward(q, k, v, self.kv_cache, meta, self.scale)
         return out.reshape(t, self.num_heads * self.head_dim)
 
@@ -69,8 +69,17 @@ class MLAAttention(nn.Module):
         super().__init__()
         self.num_heads, self.kv_lora_rank = num_heads, kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim, self.scale = qk_nope_head_dim, qk_rope_head_dim, v_head_dim, scale
-        self.kv_cache = torch.empty(0)
+        self.kv_cache = torch.empty(0)  # (with kept_prefix: a shared prefix's expansion, kept across steps)
         self.layer_name = opaque_ops.register_layer(self)
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        return self._kv_cache
+
+    @kv_cache.setter
+    def kv_cache(self, cache: torch.Tensor) -> None:
+        self._kv_cache = cache
+        self.kept_prefix = KeptExpansion()  # an expansion of the old cache's latents says nothing of the new one's
 
     def kv_spec(self) -> tuple[int, int]:
         return self.kv_lora_rank, self.rope_dim
@@ -87,12 +96,12 @@ class MLAAttention(nn.Module):
         ctx = get_forward_context()
         w = kv_b_weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         up = MLAUpProjection(w_uk=w[:, : self.nope_dim], w_uv=w[:, self.nope_dim:],  # [H, nope, L], [H, v, L]
-                             w_kv_b=kv_b_weight)
+                             w_kv_b=kv_b_weight, kept=self.kept_prefix)
         entries = ctx.gather_kv(torch.cat((kv_c, k_pe), dim=-1))  # [T (or P * max_local under PCP), L + rope]
-        meta, backend = ctx.attn_metadata, ctx.backends[self.kind]
-        if isinstance(meta, ShardedAttentionMetadata):  # owner-sharded KV: every rank's queries over own latents
-            q = meta.gather_queries(torch.cat((q_nope, q_pe), dim=-1))  # [T_global, H, nope + rope]
+        meta, backend, exchange = ctx.metadata(self.kind), ctx.backends[self.kind], ctx.kv_exchange
+        if exchange is not None:  # owner-sharded KV: every rank's queries over its own latents, merged by LSE
+            q = exchange.gather_queries(torch.cat((q_nope, q_pe), dim=-1))  # [T_global, H, nope + rope]
             o, lse = backend.forward_mla_sharded(q, entries, self.kv_cache, meta, self.scale, up)
-            return meta.merge(o, lse).to(q_nope.dtype).reshape(q_nope.shape[0], self.num_heads * self.v_dim)
+            return exchange.merge(o, lse).to(q_nope.dtype).reshape(q_nope.shape[0], self.num_heads * self.v_dim)
         out = backend.forward_mla(q_nope, q_pe, entries, self.kv_cache, meta, self.scale, up)  # [T, H, v]
         return out.reshape(q_nope.shape[0], self.num_heads * self.v_dim)

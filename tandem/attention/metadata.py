@@ -1,23 +1,27 @@
-"""Per-step attention metadata shared by every layer, and the prefix-gather plan built from it.
+"""The paged CPU backends' metadata (PAGED_SDPA, PAGED_MLA): the step's batch (tandem/attention/batch.py) planned
+for the CPU, built by those backends' `prepare_metadata` (plan_batch) and read only by them. The contiguous backends'
+row groups and the sharded KV layout's owned-key plan reuse its grouping helpers and bounds.
 
-A "row" is one query segment: a request's new tokens in this step (or, under PCP, one rank-local
-piece of them). Row i owns query tokens [query_start_loc[i], query_start_loc[i+1]) whose absolute
-positions are `positions[...]`, and may attend to cached keys at positions [0, seq_lens[i]) read
-through `block_table[i]`. Causality is decided from positions, never from row offsets, so a row
-that starts mid-prompt (chunked prefill, a PCP segment) needs nothing special.
+Short rows (decodes, verification rows) are padded into groups, read in place as contiguous key runs, or handed to
+the native kernel; long rows (prompt chunks) are attended whole over their gathered keys; keys that several rows
+share are attended once (cascade). Causality is decided from positions, as the batch's docstring says.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from tandem import native
+from tandem.attention.batch import AttentionBatch
 
-PAD_SLOT_ID = -1  # slot_mapping value meaning "write nothing"
+if TYPE_CHECKING:
+    from tandem.attention.backend import AttentionBackend
+
 SHORT_ROW_TOKENS = 16  # rows up to this many query tokens share one padded attention call (or read in place)
 # prompt rows up to this many queries that a GQA backend may run through the native CPU kernel instead of per-row
 # SDPA over gathered keys (SmolLM2, 32 prompts of 31-115 tokens: 960 SDPA calls a prefill, ~0.3 s of 2.7 s); MLA keeps
@@ -131,16 +135,11 @@ class SharedPrefix:
         return select_rows(flat, self.slots)
 
 
-@dataclass
-class AttentionMetadata:
-    positions: torch.Tensor  # [num_tokens] int64
-    query_start_loc_cpu: torch.Tensor  # [num_rows + 1] int32
-    seq_lens_cpu: torch.Tensor  # [num_rows] int32, keys visible to each row after this step's write
-    block_table: torch.Tensor  # [num_rows, max_num_blocks] int32
-    block_size: int
+@dataclass(kw_only=True)
+class AttentionMetadata(AttentionBatch):
+    """The batch and its CPU plan. Every sub-plan is optional: the rows of the step fall into exactly one of them."""
+
     groups: list[PrefixGroup]  # the short rows, padded together (empty when row_keys reads them in place)
-    write_rows: torch.Tensor  # [num_writes] int64 rows of the (gathered) new K/V that are written
-    write_slots: torch.Tensor  # [num_writes] int64 their cache slots (PAD_SLOT_ID rows are left out)
     long_rows: list[LongRow] = dataclasses.field(default_factory=list)
     row_keys: list[RowKeys] | None = None  # the short rows read in place (CPU), or None: `groups` gathers them
     shared_prefix: SharedPrefix | None = None  # keys >= 2 short rows share, attended once for all of them
@@ -154,6 +153,33 @@ class AttentionMetadata:
     # the long rows marked `native` (one piece of at most NATIVE_PROMPT_TOKENS queries, no shared long prefix) in
     # the same [R, 5] form, or None
     native_long_rows: torch.Tensor | None = None
+
+
+def plan_batch(batch: AttentionBatch, backend: type[AttentionBackend]) -> AttentionMetadata:
+    """`backend`'s CPU plan of a batch. MTP's draft decodes (`batch.base`) move their first decode's plan on by a
+    position; the native kernel reads each row's keys up to its own seq_len, so there a key bound is not needed."""
+    if batch.base is not None:
+        return advance_decodes(batch.base.metadata_for(backend), batch)
+    bound = None if batch.block_table.device.type == "cpu" and native.enabled() else batch.key_bound
+    return build_attention_metadata(batch.positions, batch.query_start_loc_cpu, batch.seq_lens_cpu,
+                                    batch.block_table, batch.block_size, batch.write_rows, batch.write_slots,
+                                    key_bound=bound)
+
+
+def advance_decodes(base: AttentionMetadata, batch: AttentionBatch) -> AttentionMetadata:
+    """The plan of one-token decodes of base's rows at batch's positions: the same rows one position on (a shared
+    prefix stays shared); the padded group keeps its keys, gathered up to the key bound, and only re-masks them."""
+    moved = dict(positions=batch.positions, seq_lens_cpu=batch.seq_lens_cpu, write_rows=batch.write_rows,
+                 write_slots=batch.write_slots)
+    if base.native_rows is not None:
+        rows = base.native_rows.clone()
+        rows[:, 3] = batch.seq_lens_cpu
+        return dataclasses.replace(base, native_rows=rows, **moved)
+    (group,) = base.groups  # one group of one-token rows, keys gathered up to the key bound
+    # (from key_offset on: a shared prefix before it is attended apart and seen by every row)
+    k_pos = torch.arange(group.key_offset, group.key_offset + group.kv_slots.shape[1], device=batch.positions.device)
+    mask = (k_pos[None, :] <= batch.positions[:, None])[:, None, None, :]  # [S, 1, 1, key bound - key_offset]
+    return dataclasses.replace(base, groups=[group.with_mask(mask)], **moved)
 
 
 def build_attention_metadata(positions: torch.Tensor, query_start_loc_cpu: torch.Tensor,
@@ -201,7 +227,7 @@ def build_attention_metadata(positions: torch.Tensor, query_start_loc_cpu: torch
     return AttentionMetadata(
         positions=positions, query_start_loc_cpu=query_start_loc_cpu, seq_lens_cpu=seq_lens_cpu,
         block_table=block_table, block_size=block_size, groups=groups, write_rows=write_rows,
-        write_slots=write_slots, long_rows=long_rows, row_keys=row_keys, shared_prefix=shared,
+        write_slots=write_slots, key_bound=key_bound, long_rows=long_rows, row_keys=row_keys, shared_prefix=shared,
         long_prefix=long_prefix, native_rows=native_rows, native_long_rows=native_long_rows)
 
 
@@ -314,7 +340,7 @@ def _row_keys(token_start: int, num_queries: int, seq_len: int, blocks: np.ndarr
     return RowKeys(token_start, num_queries, tuple(runs), torch.from_numpy(np.concatenate(gathered)))
 
 
-def row_groups(meta: AttentionMetadata) -> list[PrefixGroup]:
+def row_groups(meta: AttentionBatch) -> list[PrefixGroup]:
     """Every row padded into groups, long rows whole (one group each), for backends that take a row's new keys
     from the row itself and so need all of its new tokens in one call. Short rows (decodes, and verification
     rows of K + 1 tokens) are batched together, padded to the longest of them, so a decode never pads up to a

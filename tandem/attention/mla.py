@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -28,12 +29,18 @@ import torch.nn.functional as F
 from tandem.attention.causal_rows import causal_row_attention
 from tandem.attention.metadata import LongPiece
 
+if TYPE_CHECKING:
+    from tandem.attention.expanded_prefix import KeptExpansion
+
 
 @dataclass(frozen=True)
 class MLAUpProjection:
     w_uk: torch.Tensor  # [H, nope, L]
     w_uv: torch.Tensor  # [H, v, L]
     w_kv_b: torch.Tensor | None = None  # [H * (nope + v), L] kv_b_proj's weight, whose halves w_uk and w_uv are
+    # the layer's kept expansion of a shared prefix (expanded_prefix.py), which lives as long as the layer's cache;
+    # None: nothing is kept
+    kept: KeptExpansion | None = None
 
     def kv_b(self) -> torch.Tensor:
         if self.w_kv_b is not None:

@@ -2,7 +2,7 @@
 the keys it owns, and the P partial results are merged exactly by their log-sum-exp.
 
 Under the sharded layout a token's K/V (GQA K/V, MLA latent) lives only on the rank that owns its KV block
-(tandem/worker/pcp_kv.py). A query needs keys from every rank, so the step's queries are passed instead of the
+(tandem/attention/kv_ownership.py). A query needs keys from every rank, so the step's queries are passed instead of the
 keys: each rank all-gathers the step's queries (prompt chunks are split over the ranks by DualChunkSwap; decode
 and verification rows are already on every rank, and a step of decodes only gathers nothing), attends all of
 them over its own keys, and sends each rank the partial outputs, with their LSE, of that rank's own query rows
@@ -76,17 +76,24 @@ class OwnedGroup:
 
 @dataclass
 class ShardedAttentionMetadata:
-    """This rank's view of a step under the sharded KV layout: every global row, over the keys the rank owns.
-    `gather_queries` takes the layer's local queries [T_r, ...] to the global [T, ...] (graph padding included:
-    its partials are empty); `merge` takes the partial (out [T, H, Dv], lse [T, H]) of every rank to this rank's
-    [T_r, H, Dv]."""
+    """The paged backends' metadata of a batch under the sharded KV layout (kv_ownership.owned_metadata): every
+    global row, over the keys this rank owns."""
 
     rows: list[OwnedRow]  # attended one by one (prompt chunks; short rows that read many keys in place)
     write_rows: torch.Tensor  # [num_writes] int64 rows of the (gathered) new K/V this rank writes: the ones it owns
     write_slots: torch.Tensor  # [num_writes] int64 their LOCAL cache slots
+    groups: list[OwnedGroup] = field(default_factory=list)  # the other short rows, batched
+
+
+@dataclass(frozen=True)
+class ShardedKVExchange:
+    """The collectives of one forward under the sharded KV layout (the PCP hooks', handed to the forward context):
+    `gather_queries` takes a layer's local queries [T_r, ...] to the global [T, ...] (graph padding included: its
+    partials are empty); `merge` takes the partial (out [T, H, Dv], lse [T, H]) of every rank to this rank's
+    [T_r, H, Dv] float32. Any backend whose sharded forward returns LSE is merged the same way."""
+
     gather_queries: Callable[[torch.Tensor], torch.Tensor]
     merge: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    groups: list[OwnedGroup] = field(default_factory=list)  # the other short rows, batched
 
 
 def merge_partials(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:

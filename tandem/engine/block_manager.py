@@ -5,7 +5,7 @@ equal hashes mean equal prefixes. Freed blocks keep their hash and go to the bac
 by a later prefix hit until they are handed out again (then their hash is forgotten).
 
 With owner-sharded PCP KV (`num_pools` = P) the pool is P per-rank pools: global block id b is local block
-b // P of rank b % P (tandem/worker/pcp_kv.py), and a request's j-th block comes from pool j % P, so a request
+b // P of rank b % P (tandem/attention/kv_ownership.py), and a request's j-th block comes from pool j % P, so a request
 of n blocks takes ceil(n / P) from the fullest rank; an allocation fails (and the scheduler preempts) when any
 pool it needs is short. With one pool this is the plain allocator.
 """
@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from tandem.attention.kv_ownership import block_pool, owner_rank
 from tandem.engine.request import Request
-from tandem.worker.pcp_kv import block_pool, owner_rank
 
 
 @dataclass

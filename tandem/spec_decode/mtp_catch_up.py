@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tandem.attention.metadata import AttentionMetadata
+from tandem.attention.batch import AttentionBatch
 from tandem.engine.step_plan import StepPlan
 from tandem.spec_decode.cost_model import attended_keys
 from tandem.worker.input_batch import InputBatch, global_attention_metadata
@@ -82,7 +82,7 @@ class RowExtension:
     input_ids: torch.Tensor  # [T + D] int64 shifted ids
     positions: torch.Tensor  # [T + D] int64
     hidden: torch.Tensor  # [T + D, H] target hidden states
-    attn_metadata: AttentionMetadata
+    attn_metadata: AttentionBatch
     offsets: np.ndarray  # [R] deferred tokens prepended at or before row i (a token of row i moves by offsets[i])
     num_keys: float = 0.0  # keys the prepended tokens attend to in all (causal), for the policy's cost model
 

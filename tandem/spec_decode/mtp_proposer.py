@@ -16,16 +16,13 @@ Steps 1..K-1 are global decodes either way.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import torch
 
-from tandem import native
 from tandem.attention.backend import AttentionBackend
+from tandem.attention.batch import PAD_SLOT_ID, AttentionBatch, KVShard
 from tandem.attention.forward_context import forward_context
-from tandem.attention.metadata import PAD_SLOT_ID, AttentionMetadata, build_attention_metadata
-from tandem.attention.sharded_kv import ShardedAttentionMetadata
 from tandem.engine.step_plan import StepPlan
 from tandem.models.mtp import DeepSeekMTP
 from tandem.spec_decode.cost_model import STEP0_DEFERRED
@@ -33,7 +30,6 @@ from tandem.spec_decode.draft_sampling import pack_drafts, sample_draft
 from tandem.spec_decode.mtp_catch_up import DeferredStep0
 from tandem.spec_decode.proposer import Proposal, TargetStep
 from tandem.worker.input_batch import InputBatch
-from tandem.worker.pcp_hooks import ShardedKVPCPHooks
 
 
 class MTPProposer:
@@ -109,8 +105,10 @@ class MTPProposer:
         tokens, probs = self.sample(h_logits, 0, batch, positions + 2)
         drafts, draft_probs = [tokens], [probs]
         num_rows = len(last_idx)
-        # a sharded drafter's own KV is sharded like the target's: its decodes attend over owned keys too
-        kv_shard = step.pcp if self.sharded and isinstance(step.pcp, ShardedKVPCPHooks) else None
+        # a sharded drafter's own KV is sharded like the target's: its decodes attend over owned keys too (rows that
+        # every rank holds, merged over the ranks)
+        kv_shard = step.pcp.kv_shard() if self.sharded else None
+        kv_exchange = step.pcp.kv_exchange(replicated_rows=True) if self.sharded else None
         # The draft decodes' key bound comes from THIS step's global batch (the seed PR's review finding: a bound
         # kept from the previous proposal misses a request that just accepted all K drafts plus its bonus token);
         # only the K - 1 draft decodes read it
@@ -120,7 +118,7 @@ class MTPProposer:
             assert decode is not None
             step_pos = positions + i
             ids, pos, fb = self._pad_decode(drafts[-1], step_pos.clamp(max=self.max_model_len - 1), feedback)
-            with forward_context(decode.at(step_pos), self.backends):
+            with forward_context(decode.at(step_pos), self.backends, kv_exchange=kv_exchange):
                 h_logits, feedback = self.mtp(ids, pos, fb, i)
             h_logits, feedback = h_logits[:num_rows], feedback[:num_rows]  # padding samples nothing
             tokens, probs = self.sample(h_logits, i, batch, step_pos + 2)
@@ -161,7 +159,7 @@ class MTPProposer:
         """Draft step 0 on the rank-local segments, reusing the target's local metadata and PCP buffers;
         the caller gathers the sampling rows of the [T_r, H] outputs in global order."""
         local, pcp = step.local, step.pcp
-        with forward_context(local.attn_metadata, self.backends, pcp.kv_gather()):
+        with forward_context(local.attn_metadata, self.backends, pcp.kv_gather(), pcp.kv_exchange()):
             return self.mtp(pcp.localize(shifted), local.positions, self.local_states(step), 0)  # [T_r, H] each
 
     def _shifted_ids(self, plan: StepPlan, batch: InputBatch,
@@ -184,26 +182,26 @@ class MTPProposer:
 
 
 class DraftDecodeMetadata:
-    """Attention metadata of the K-1 one-token draft decodes of S rows, built once per proposal: the block
-    table rows, their key slots up to the step's bound and the block counts are fixed; each decode only moves
-    the positions, so its metadata is the mask and slots at the new positions (no per-decode group planning).
+    """The attention batches of the K-1 one-token draft decodes of S rows: the block table rows, the key bound and
+    the block counts are fixed for the proposal; each decode only moves the positions. Every decode after the first
+    names the first as its `base`, so a backend may move its first plan on instead of planning anew.
 
     A slot beyond a row's reserved blocks (or max_model_len) writes nothing. `max_seq_len` bounds the keys any
     row may read; a row beyond it is a bug, never a silent truncation."""
 
     def __init__(self, plan: StepPlan, batch: InputBatch, block_size: int, max_model_len: int, max_seq_len: int,
-                 kv_shard: ShardedKVPCPHooks | None = None):
+                 kv_shard: KVShard | None = None):
         self.block_size, self.max_model_len, self.max_seq_len = block_size, max_model_len, max_seq_len
-        self.kv_shard = kv_shard  # sharded KV (ShardedKVPCPHooks): rows over this rank's own keys, merged
+        self.kv_shard = kv_shard  # sharded KV: rows over this rank's own keys, merged
         self.table = batch.block_table[batch.sample_rows]  # [S, max_blocks]
         device = self.table.device
         self.num_blocks = torch.tensor([len(plan.rows[i].block_ids) for i in batch.sample_rows], device=device)
         n = len(batch.sample_rows)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32)
-        self.base: AttentionMetadata | None = None
+        self.base: AttentionBatch | None = None
 
-    def at(self, positions: torch.Tensor) -> AttentionMetadata | ShardedAttentionMetadata:
-        """positions: [S] of this decode's tokens -> its metadata."""
+    def at(self, positions: torch.Tensor) -> AttentionBatch:
+        """positions: [S] of this decode's tokens -> its attention batch."""
         block_idx = positions // self.block_size
         valid = (block_idx < self.num_blocks) & (positions < self.max_model_len)
         safe_idx = torch.where(valid, block_idx, 0)
@@ -216,28 +214,13 @@ class DraftDecodeMetadata:
         if positions.shape[0] and int(seq_lens.max()) > self.max_seq_len:
             raise RuntimeError(f"draft attention bound {self.max_seq_len} does not cover a draft row of "
                                f"{int(seq_lens.max())} keys")
-        write_rows = writes.nonzero().squeeze(1)
-        if self.kv_shard is not None:  # replicated rows: no query gather, every row merged
-            return self.kv_shard.rows_metadata(
-                clamped.cpu().numpy(), self.query_start_loc.numpy(), seq_lens.numpy(), self.table.cpu().numpy(),
-                write_rows.cpu().numpy(), slots[writes].cpu().numpy(), clamped.device)
-        if self.base is None:
-            # the native kernel reads each row's keys up to its own seq_len: no key bound, no padded group to re-mask
-            bound = None if clamped.device.type == "cpu" and native.enabled() else self.max_seq_len
-            self.base = build_attention_metadata(clamped, self.query_start_loc, seq_lens, self.table,
-                                                 self.block_size, write_rows, slots[writes], key_bound=bound)
-            return self.base
-        if self.base.native_rows is not None:  # the same rows one position on (a shared prefix stays shared)
-            rows = self.base.native_rows.clone()
-            rows[:, 3] = seq_lens
-            return dataclasses.replace(self.base, positions=clamped, seq_lens_cpu=seq_lens, write_rows=write_rows,
-                                       write_slots=slots[writes], native_rows=rows)
-        (group,) = self.base.groups  # one group of one-token rows, keys gathered up to max_seq_len
-        # (from key_offset on: a shared prefix before it is attended apart and seen by every row)
-        k_pos = torch.arange(group.key_offset, group.key_offset + group.kv_slots.shape[1], device=clamped.device)
-        mask = (k_pos[None, :] <= clamped[:, None])[:, None, None, :]  # [S, 1, 1, max_seq_len - key_offset]
-        return dataclasses.replace(self.base, positions=clamped, seq_lens_cpu=seq_lens, write_rows=write_rows,
-                                   write_slots=slots[writes], groups=[group.with_mask(mask)])
+        decode = AttentionBatch(positions=clamped, query_start_loc_cpu=self.query_start_loc, seq_lens_cpu=seq_lens,
+                                block_table=self.table, block_size=self.block_size,
+                                write_rows=writes.nonzero().squeeze(1), write_slots=slots[writes],
+                                key_bound=self.max_seq_len, base=self.base, kv_shard=self.kv_shard)
+        if self.base is None and self.kv_shard is None:  # owned keys are planned per decode (kv_ownership.py)
+            self.base = decode
+        return decode
 
 
 def draft_max_seq_len(batch: InputBatch, k: int, max_model_len: int) -> int:

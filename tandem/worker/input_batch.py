@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tandem.attention.metadata import PAD_SLOT_ID, AttentionMetadata, build_attention_metadata
+from tandem.attention.batch import PAD_SLOT_ID, AttentionBatch
 from tandem.engine.step_plan import StepPlan
 from tandem.layers.sampler import SamplingMetadata
 
@@ -167,9 +167,9 @@ def padding_batch(size: int, device: str) -> InputBatch:
         logits_indices=zeros(0), draft_token_ids=zeros(0), sampling=None, num_padding=size)
 
 
-def global_attention_metadata(batch: InputBatch, block_size: int) -> AttentionMetadata:
-    """Attention metadata of the whole global batch: every row, every valid slot written once."""
+def global_attention_metadata(batch: InputBatch, block_size: int) -> AttentionBatch:
+    """The attention batch of the whole global batch: every row, every valid slot written once."""
     writes = batch.slot_mapping >= 0
-    return build_attention_metadata(batch.positions, batch.query_start_loc_cpu, batch.seq_lens_cpu,
-                                    batch.block_table, block_size, writes.nonzero().squeeze(1),
-                                    batch.slot_mapping[writes])
+    return AttentionBatch(positions=batch.positions, query_start_loc_cpu=batch.query_start_loc_cpu,
+                          seq_lens_cpu=batch.seq_lens_cpu, block_table=batch.block_table, block_size=block_size,
+                          write_rows=writes.nonzero().squeeze(1), write_slots=batch.slot_mapping[writes])

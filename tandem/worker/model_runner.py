@@ -119,7 +119,7 @@ class ModelRunner:
                                self.inputs)
         self.num_padding_tokens += batch.num_padding
         local = self.pcp.maybe_partition(batch)  # identity at PCP size 1
-        with forward_context(local.attn_metadata, self.backends, self.pcp.kv_gather()):
+        with forward_context(local.attn_metadata, self.backends, self.pcp.kv_gather(), self.pcp.kv_exchange()):
             hidden = self.model(local.input_ids, local.positions)  # [T_r, H]
         step = TargetStep(plan, batch, local, self.pcp.mask_padding(hidden, batch), self.pcp)
         start = time.perf_counter()

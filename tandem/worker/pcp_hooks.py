@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tandem.attention.metadata import AttentionMetadata, build_attention_metadata
-from tandem.attention.sharded_kv import ShardedAttentionMetadata, merge_partials
+from tandem.attention.batch import AttentionBatch, KVShard
+from tandem.attention.sharded_kv import ShardedKVExchange, merge_partials
 from tandem.distributed.groups import Group
 from tandem.worker.input_batch import InputBatch, global_attention_metadata
 from tandem.worker.pcp import (
@@ -29,14 +29,13 @@ from tandem.worker.pcp import (
     row_gather,
     select_rows,
 )
-from tandem.worker.pcp_kv import owned_plan, owned_writes
 
 
 @dataclass
 class LocalBatch:
     input_ids: torch.Tensor  # [T_r] int64
     positions: torch.Tensor  # [T_r] int64
-    attn_metadata: AttentionMetadata | ShardedAttentionMetadata
+    attn_metadata: AttentionBatch  # what each attention backend builds its own metadata from
 
 
 class PCPHooks:
@@ -51,12 +50,10 @@ class PCPHooks:
     def maybe_partition(self, batch: InputBatch) -> LocalBatch:
         return LocalBatch(batch.input_ids, batch.positions, global_attention_metadata(batch, self.block_size))
 
-    def global_metadata(self, batch: InputBatch, local: LocalBatch) -> AttentionMetadata:
-        """The whole global batch's attention metadata (a replicated drafter's step 0). At PCP size 1 it is the
-        rank's own, built once for the target: no second build a step."""
-        meta = local.attn_metadata
-        assert isinstance(meta, AttentionMetadata)
-        return meta
+    def global_metadata(self, batch: InputBatch, local: LocalBatch) -> AttentionBatch:
+        """The whole global batch for attention (a replicated drafter's step 0). At PCP size 1 it is the rank's
+        own, whose metadata the target's backend built already: no second build a step."""
+        return local.attn_metadata
 
     def localize(self, x: torch.Tensor) -> torch.Tensor:
         """[T_global, ...] -> [T_r, ...] this rank's tokens, in local order."""
@@ -73,6 +70,15 @@ class PCPHooks:
     def kv_gather(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """What forward_context's gather_kv takes: gather_kv, or None where it is the identity (one rank), so the
         attention layers hand their K/V to the backend as they lie instead of packing them for a gather."""
+        return None
+
+    def kv_shard(self) -> KVShard | None:
+        """Sharded KV: this rank's place among the KV owners (an attention batch of global rows carries it)."""
+        return None
+
+    def kv_exchange(self, replicated_rows: bool = False) -> ShardedKVExchange | None:
+        """What forward_context's kv_exchange takes under sharded KV, else None: for this step's partition, or
+        (`replicated_rows`) for rows that every rank holds in global order (MTP's draft decodes)."""
         return None
 
     def maybe_restore(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -106,7 +112,7 @@ class PartitionedPCPHooks(PCPHooks):
         self.token_idx = torch.from_numpy(view.token_idx).to(batch.input_ids.device)
         return part, view, batch.slot_mapping[: batch.num_tokens - batch.num_padding]
 
-    def global_metadata(self, batch: InputBatch, local: LocalBatch) -> AttentionMetadata:
+    def global_metadata(self, batch: InputBatch, local: LocalBatch) -> AttentionBatch:
         return global_attention_metadata(batch, self.block_size)
 
     def maybe_partition(self, batch: InputBatch) -> LocalBatch:
@@ -116,10 +122,11 @@ class PartitionedPCPHooks(PCPHooks):
         # K/V are written from the gathered [P * max_local] tensor: each global token once, from the copy
         # that kv_write_idx names (prefill tokens from their owner rank, decode tokens from rank 0).
         write_rows = torch.from_numpy(part.kv_write_idx).to(device)[writes]
-        meta = build_attention_metadata(
-            torch.from_numpy(view.positions).to(device), torch.from_numpy(view.query_start_loc),
-            torch.from_numpy(view.seq_lens), torch.from_numpy(view.block_table).to(device), self.block_size,
-            write_rows, real_slots[writes])
+        meta = AttentionBatch(
+            positions=torch.from_numpy(view.positions).to(device),
+            query_start_loc_cpu=torch.from_numpy(view.query_start_loc), seq_lens_cpu=torch.from_numpy(view.seq_lens),
+            block_table=torch.from_numpy(view.block_table).to(device), block_size=self.block_size,
+            write_rows=write_rows, write_slots=real_slots[writes])
         return LocalBatch(batch.input_ids[self.token_idx], meta.positions, meta)
 
     def localize(self, x: torch.Tensor) -> torch.Tensor:
@@ -159,8 +166,8 @@ class PartitionedPCPHooks(PCPHooks):
 
 class ShardedKVPCPHooks(PartitionedPCPHooks):
     """PCP size > 1 with pcp_kv_layout sharded: the same query partition, but a token's K/V is written only on
-    the rank that owns its block (worker/pcp_kv.py), and attention runs every query of the step over each rank's
-    own keys, merging the partials by LSE (attention/sharded_kv.py)."""
+    the rank that owns its block (attention/kv_ownership.py), and attention runs every query of the step over each
+    rank's own keys, merging the partials by LSE (attention/sharded_kv.py)."""
 
     kv_sharded = True
 
@@ -169,36 +176,33 @@ class ShardedKVPCPHooks(PartitionedPCPHooks):
         # this step's all-to-all of partials: global rows each rank holds, concatenated in rank order, and counts
         self.send_idx = torch.empty(0, dtype=torch.int64)
         self.send_counts: list[int] = []
+        self.gathers_queries = False  # this step has prompt rows, split over the ranks: queries are all-gathered
 
     def maybe_partition(self, batch: InputBatch) -> LocalBatch:
         part, view, real_slots = self._partition(batch)
-        slots = real_slots.cpu().numpy()
-        writes = slots >= 0
+        writes = real_slots >= 0
         device = batch.input_ids.device
         self.send_idx = torch.from_numpy(np.concatenate(part.local_token_idx)).to(device)
         self.send_counts = [len(idx) for idx in part.local_token_idx]
         # decodes only: every rank holds every token in global order already, so the queries need no gather
-        gather_queries = self._gather_queries if bool(batch.is_prefill_cpu.any()) else self._pad_queries
-        meta = self.rows_metadata(batch.positions.cpu().numpy(), batch.query_start_loc_np,
-                                  batch.seq_lens_cpu.numpy(), batch.block_table.cpu().numpy(),
-                                  part.kv_write_idx[writes], slots[writes], device, gather_queries, self._merge_local)
+        self.gathers_queries = bool(batch.is_prefill_cpu.any())
+        # every global row, written from the gathered K/V (kv_write_idx); each backend keeps the rows and writes
+        # over the keys this rank owns
+        meta = AttentionBatch(positions=batch.positions, query_start_loc_cpu=batch.query_start_loc_cpu,
+                              seq_lens_cpu=batch.seq_lens_cpu, block_table=batch.block_table,
+                              block_size=self.block_size,
+                              write_rows=torch.from_numpy(part.kv_write_idx).to(device)[writes],
+                              write_slots=real_slots[writes], kv_shard=self.kv_shard())
         return LocalBatch(batch.input_ids[self.token_idx], torch.from_numpy(view.positions).to(device), meta)
 
-    def rows_metadata(self, positions: np.ndarray, query_start_loc: np.ndarray, seq_lens: np.ndarray,
-                      block_table: np.ndarray, write_rows: np.ndarray, write_slots: np.ndarray,
-                      device: torch.device | str, gather_queries: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                      merge: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-                      ) -> ShardedAttentionMetadata:
-        """Sharded metadata of global rows (default: rows replicated on every rank, e.g. MTP's draft decodes,
-        whose queries need no gather and whose merged output is every row's). write_slots are global."""
-        keep, local = owned_writes(write_slots, self.block_size, self.pcp.rank, self.pcp.size)
-        groups, rows = owned_plan(positions, query_start_loc, seq_lens, block_table, self.block_size,
-                                  self.pcp.rank, self.pcp.size, device, in_place=torch.device(device).type == "cpu")
-        return ShardedAttentionMetadata(
-            rows=rows, groups=groups,
-            write_rows=torch.from_numpy(np.asarray(write_rows, dtype=np.int64)[keep]).to(device),
-            write_slots=torch.from_numpy(local.astype(np.int64)).to(device),
-            gather_queries=gather_queries or (lambda q: q), merge=merge or self._merge_all)
+    def kv_shard(self) -> KVShard:
+        return KVShard(self.pcp.rank, self.pcp.size)
+
+    def kv_exchange(self, replicated_rows: bool = False) -> ShardedKVExchange:
+        if replicated_rows:  # rows on every rank: no query gather, every row merged
+            return ShardedKVExchange(_identity, self._merge_all)
+        return ShardedKVExchange(self._gather_queries if self.gathers_queries else self._pad_queries,
+                                 self._merge_local)
 
     def _gather_queries(self, q: torch.Tensor) -> torch.Tensor:
         assert self.part is not None
@@ -224,6 +228,10 @@ class ShardedKVPCPHooks(PartitionedPCPHooks):
         packed = self.all_gather(torch.cat((out.float(), lse[..., None]), dim=-1))
         packed = packed.view(self.pcp.size, *out.shape[:-1], out.shape[-1] + 1)
         return merge_partials(packed[..., :-1], packed[..., -1])
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 def make_pcp_hooks(pcp: Group, block_size: int, kv_layout: str = "replicated") -> PCPHooks:

@@ -9,15 +9,30 @@ The cache is still written (for later steps), but this step's tokens are never r
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from tandem.attention.backend import AttentionBackend, register_backend
 from tandem.attention.backends.prefix import grouped_sdpa, write_kv
-from tandem.attention.metadata import SHORT_ROW_TOKENS, AttentionMetadata, PrefixGroup, gather_rows, row_groups
+from tandem.attention.batch import AttentionBatch
+from tandem.attention.metadata import SHORT_ROW_TOKENS, PrefixGroup, gather_rows, row_groups
 from tandem.attention.mla import MLAUpProjection, absorb, expanded_attention, up_project
 
 
-def _mask(g: PrefixGroup, meta: AttentionMetadata) -> torch.Tensor:
+@dataclass
+class RowGroups:
+    """The contiguous backends' metadata: every row whole in padded groups (metadata.row_groups), built once a step."""
+
+    batch: AttentionBatch
+    groups: list[PrefixGroup]
+
+    @staticmethod
+    def of(batch: AttentionBatch) -> RowGroups:
+        return RowGroups(batch, row_groups(batch))
+
+
+def _mask(g: PrefixGroup, meta: AttentionBatch) -> torch.Tensor:
     """[G, 1, Q, S + Q]: a row's cached prefix (positions before its first new token), then its new tokens
     causally."""
     context_len = meta.positions[g.token_idx[:, 0]]  # [G] first new position = tokens cached before
@@ -30,14 +45,14 @@ def _mask(g: PrefixGroup, meta: AttentionMetadata) -> torch.Tensor:
 
 
 def cached_prefix_plus_new_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                                     k_flat: torch.Tensor, v_flat: torch.Tensor, meta: AttentionMetadata,
+                                     k_flat: torch.Tensor, v_flat: torch.Tensor, meta: RowGroups,
                                      scale: float) -> torch.Tensor:
     """q: [T, Hq, Dk]; k_new/v_new: [T, Hkv, D*] aligned with q; k_flat/v_flat: [num_slots, Hkv, D*] cache."""
     out = q.new_zeros(q.shape[0], q.shape[1], v_flat.shape[-1])
-    for g in row_groups(meta):  # whole rows: a row's new keys come from its own new tokens
+    for g in meta.groups:  # whole rows: a row's new keys come from its own new tokens
         keys = torch.cat((gather_rows(k_flat, g.kv_slots).to(q.dtype), gather_rows(k_new, g.token_idx)), dim=1)
         values = torch.cat((gather_rows(v_flat, g.kv_slots).to(q.dtype), gather_rows(v_new, g.token_idx)), dim=1)
-        mask = _mask(g, meta)
+        mask = _mask(g, meta.batch)
         og = grouped_sdpa(q[g.token_idx], keys, values, mask, scale, ~mask)  # [G, Q, Hq, Dv]
         out[g.token_idx[g.token_valid]] = og[g.token_valid]
     return out
@@ -56,14 +71,18 @@ class ContiguousSDPABackend(AttentionBackend):
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
+    @classmethod
+    def prepare_metadata(cls, batch: AttentionBatch) -> RowGroups:
+        return RowGroups.of(batch)
+
     @staticmethod
     def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: RowGroups, scale: float) -> torch.Tensor:
         assert v is not None
         k_flat, v_flat = kv_cache[0].flatten(0, 1), kv_cache[1].flatten(0, 1)
         out = cached_prefix_plus_new_attention(q, k, v, k_flat, v_flat, meta, scale)
-        write_kv(k_flat, k, meta)
-        write_kv(v_flat, v, meta)
+        write_kv(k_flat, k, meta.batch)
+        write_kv(v_flat, v, meta.batch)
         return out
 
 
@@ -80,25 +99,29 @@ class ContiguousMLABackend(AttentionBackend):
     def kv_cache_shape(num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: int) -> tuple[int, ...]:
         return (num_blocks, block_size, kv_lora_rank + rope_dim)
 
+    @classmethod
+    def prepare_metadata(cls, batch: AttentionBatch) -> RowGroups:
+        return RowGroups.of(batch)
+
     @staticmethod
     def forward_mla(q_nope: torch.Tensor, q_pe: torch.Tensor, entries: torch.Tensor, kv_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, up: MLAUpProjection) -> torch.Tensor:
+                    meta: RowGroups, scale: float, up: MLAUpProjection) -> torch.Tensor:
         # entries: [T, L + R] this step's new latents -> [T, H, v]; short rows absorbed, prompt chunks expanded
         lora = up.w_uk.shape[-1]
         cache_flat = kv_cache.flatten(0, 1)  # [num_slots, L + R]
         out = q_nope.new_zeros(q_nope.shape[0], q_nope.shape[1], up.w_uv.shape[1])
-        for g in row_groups(meta):
+        for g in meta.groups:
             latent = torch.cat((gather_rows(cache_flat, g.kv_slots).to(q_nope.dtype),
                                 gather_rows(entries, g.token_idx)), dim=1)  # [G, S + Q, L + R]
             if g.token_idx.shape[1] <= SHORT_ROW_TOKENS:
                 q = gather_rows(absorb(q_nope, q_pe, up), g.token_idx)  # [G, Q, H, L + R]
                 lat = latent.unsqueeze(2)  # [G, S + Q, 1, L + R]: MQA
-                mask = _mask(g, meta)
+                mask = _mask(g, meta.batch)
                 og = up_project(grouped_sdpa(q, lat, lat[..., :lora], mask, scale, ~mask).flatten(0, 1), up)
                 og = og.view(*g.token_idx.shape, *og.shape[1:])
             else:
                 og = expanded_attention(gather_rows(q_nope, g.token_idx), gather_rows(q_pe, g.token_idx), latent,
-                                        _mask(g, meta), scale, up)
+                                        _mask(g, meta.batch), scale, up)
             out[g.token_idx[g.token_valid]] = og[g.token_valid]
-        write_kv(cache_flat, entries, meta)
+        write_kv(cache_flat, entries, meta.batch)
         return out

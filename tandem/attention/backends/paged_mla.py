@@ -13,7 +13,8 @@ import torch
 
 from tandem.attention import expanded_prefix
 from tandem.attention.backend import AttentionBackend, register_backend
-from tandem.attention.backends.prefix import own_key_attention, prefix_attention, write_kv
+from tandem.attention.backends.prefix import own_key_attention, paged_metadata, prefix_attention, write_kv
+from tandem.attention.batch import AttentionBatch
 from tandem.attention.metadata import SHORT_ROW_TOKENS, AttentionMetadata, gather_rows, select_rows
 from tandem.attention.mla import (
     MLAUpProjection,
@@ -47,6 +48,10 @@ class PagedMLABackend(AttentionBackend):
     def supports_kv_sharding(cls) -> bool:
         return True
 
+    @classmethod
+    def prepare_metadata(cls, batch: AttentionBatch) -> AttentionMetadata | ShardedAttentionMetadata:
+        return paged_metadata(cls, batch)  # the CPU plan (metadata.py), or the owned keys under sharded KV
+
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: int) -> tuple[int, ...]:
         return (num_blocks, block_size, kv_lora_rank + rope_dim)
@@ -57,12 +62,12 @@ class PagedMLABackend(AttentionBackend):
         # q_nope: [T, H, nope]; q_pe: [T, H, rope]; entries: [T, L + rope] this step's latents -> [T, H, v]
         cache_flat = kv_cache.flatten(0, 1)  # [num_slots, L + R]
         write_kv(cache_flat, entries, meta)
-        expanded_prefix.note_writes(kv_cache, meta.write_slots)
+        expanded_prefix.note_writes(up, meta.write_slots)
         lora = up.w_uk.shape[-1]
         lat = cache_flat.unsqueeze(1)  # [num_slots, 1, L + R]
         # the short rows' shared prefix (cascade), attended in its expanded form when that is kept for this layer
-        kept = None if meta.shared_prefix is None else expanded_prefix.lookup(kv_cache, cache_flat, meta.shared_prefix,
-                                                                              up, q_nope.dtype)
+        kept = None if meta.shared_prefix is None else expanded_prefix.lookup(cache_flat, meta.shared_prefix, up,
+                                                                              q_nope.dtype)
         if not meta.long_rows:  # decodes and verification rows only: every token absorbed
             q_abs = absorb(q_nope, q_pe, up)
             if kept is None:
@@ -91,7 +96,7 @@ class PagedMLABackend(AttentionBackend):
         num_sharing = sum(lr.shares_prefix for lr in meta.long_rows)
         # a prompt chunk behind the prefix the short rows keep expanded (a new request's prefix-cache hit on a shared
         # few-shot or system prompt) reuses that expansion: only its own keys are gathered and expanded
-        held = kept if kept is not None else expanded_prefix.peek(kv_cache, up, q_nope.dtype)
+        held = kept if kept is not None else expanded_prefix.peek(up, q_nope.dtype)
         for lr in meta.long_rows:
             reused = 0 if held is None else held.reusable_by(lr.kv_slots)
             if reused and prefers_expanded(lr.num_queries, lr.seq_len, up, q_pe.shape[-1], reused, 1 << 30):
@@ -120,7 +125,7 @@ class PagedMLABackend(AttentionBackend):
         # q: [T_global, H, nope + rope] every query of the step; entries: [num gathered, L + rope] new latents
         cache_flat = kv_cache.flatten(0, 1)  # [num_local_slots, L + R]
         write_kv(cache_flat, entries, meta)
-        expanded_prefix.note_writes(kv_cache, meta.write_slots)
+        expanded_prefix.note_writes(up, meta.write_slots)
         heads, nope, lora = up.w_uk.shape
         rope = q.shape[-1] - nope
         lat = cache_flat.unsqueeze(1)  # [num_local_slots, 1, L + R]: MQA, the values are the keys' first L

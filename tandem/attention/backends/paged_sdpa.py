@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from tandem.attention.backend import AttentionBackend, register_backend
-from tandem.attention.backends.prefix import prefix_attention, write_kv
+from tandem.attention.backends.prefix import paged_metadata, prefix_attention, write_kv
+from tandem.attention.batch import AttentionBatch
 from tandem.attention.metadata import AttentionMetadata
 from tandem.attention.sharded_kv import (
     ShardedAttentionMetadata,
@@ -27,6 +28,10 @@ class PagedSDPABackend(AttentionBackend):
     @classmethod
     def supports_kv_sharding(cls) -> bool:
         return True
+
+    @classmethod
+    def prepare_metadata(cls, batch: AttentionBatch) -> AttentionMetadata | ShardedAttentionMetadata:
+        return paged_metadata(cls, batch)  # the CPU plan (metadata.py), or the owned keys under sharded KV
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:

@@ -22,12 +22,24 @@ import torch
 import torch.nn.functional as F
 
 from tandem import native
+from tandem.attention.backend import AttentionBackend
+from tandem.attention.batch import AttentionBatch
 from tandem.attention.causal_rows import attention_with_lse, causal_row_attention, merge_attn_states
-from tandem.attention.metadata import AttentionMetadata, RowKeys, SharedPrefix, gather_rows, select_rows
+from tandem.attention.kv_ownership import owned_metadata
+from tandem.attention.metadata import AttentionMetadata, RowKeys, SharedPrefix, gather_rows, plan_batch, select_rows
 from tandem.attention.sharded_kv import ShardedAttentionMetadata
 
 
-def write_kv(cache_flat: torch.Tensor, new: torch.Tensor, meta: AttentionMetadata | ShardedAttentionMetadata) -> None:
+def paged_metadata(backend: type[AttentionBackend],
+                   batch: AttentionBatch) -> AttentionMetadata | ShardedAttentionMetadata:
+    """The paged backends' own metadata of a batch: its CPU plan, or under sharded KV its rows over the keys this
+    rank owns (the layer then calls the sharded forward, which reads only that)."""
+    if batch.kv_shard is not None:
+        return owned_metadata(batch)
+    return plan_batch(batch, backend)
+
+
+def write_kv(cache_flat: torch.Tensor, new: torch.Tensor, meta: AttentionBatch | ShardedAttentionMetadata) -> None:
     # cache_flat: [num_slots, ...]; new: [num_tokens, ...]
     if not meta.write_rows.numel():
         return
@@ -37,7 +49,7 @@ def write_kv(cache_flat: torch.Tensor, new: torch.Tensor, meta: AttentionMetadat
     cache_flat.index_copy_(0, meta.write_slots, rows.to(cache_flat.dtype))
 
 
-def write_rows_leading(meta: AttentionMetadata | ShardedAttentionMetadata) -> int | None:
+def write_rows_leading(meta: AttentionBatch | ShardedAttentionMetadata) -> int | None:
     """n when meta.write_rows is 0, 1, ..., n - 1 (checked once per metadata, on the CPU only: a device tensor would
     need a sync), else None."""
     cached = meta.__dict__.get("_write_rows_leading", ())

@@ -1,5 +1,5 @@
 """Owner-sharded KV under PCP (`pcp_kv_layout: sharded`) as index math: which rank holds a token's K/V, and a
-rank's attention rows over the keys it owns. No collectives here (they are in pcp_hooks.py).
+rank's attention rows over the keys it owns. No collectives here (they are in tandem/worker/pcp_hooks.py).
 
 Ownership rule (pure): the paged cache is split in blocks of block_size tokens, and global block id b is local
 block b // P of rank b % P. A token's K/V lives on the rank that holds its block, so owner(b) = b % P decides
@@ -24,8 +24,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tandem.attention.batch import AttentionBatch
 from tandem.attention.metadata import GATHER_MAX_KEYS, IN_PLACE_MIN_KEYS, MIN_RUN_KEYS, SHORT_ROW_TOKENS
-from tandem.attention.sharded_kv import OwnedGroup, OwnedRow
+from tandem.attention.sharded_kv import OwnedGroup, OwnedRow, ShardedAttentionMetadata
 
 
 def owner_rank(block_ids: np.ndarray | int, pcp_size: int) -> np.ndarray | int:
@@ -47,6 +48,20 @@ def owned_writes(write_slots: np.ndarray, block_size: int, rank: int, pcp_size: 
     """[n] global slots written this step -> (indices of those `rank` owns, their local slots)."""
     keep = np.flatnonzero(owner_rank(write_slots // block_size, pcp_size) == rank)
     return keep, local_slots(write_slots[keep], block_size, pcp_size)
+
+
+def owned_metadata(batch: AttentionBatch) -> ShardedAttentionMetadata:
+    """A batch of global rows (batch.kv_shard set; its write slots global) over the keys this rank owns."""
+    assert batch.kv_shard is not None
+    rank, size = batch.kv_shard.rank, batch.kv_shard.size
+    device = batch.positions.device
+    keep, local = owned_writes(batch.write_slots.cpu().numpy(), batch.block_size, rank, size)
+    groups, rows = owned_plan(batch.positions.cpu().numpy(), batch.query_start_loc_cpu.numpy(),
+                              batch.seq_lens_cpu.numpy(), batch.block_table.cpu().numpy(), batch.block_size, rank,
+                              size, device, in_place=device.type == "cpu")
+    return ShardedAttentionMetadata(rows=rows, groups=groups,
+                                    write_rows=batch.write_rows[torch.from_numpy(keep).to(batch.write_rows.device)],
+                                    write_slots=torch.from_numpy(local.astype(np.int64)).to(device))
 
 
 def owned_plan(positions: np.ndarray, query_start_loc: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray,

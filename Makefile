@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 SMOLLM2 := .cache/smollm2-135m-instruct
 
-.PHONY: run run-smollm2 train train-draft-smollm2 test setup lint
+.PHONY: run run-smollm2 train train-draft-smollm2 test test-fast setup lint
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -55,6 +55,10 @@ train: $(BIN)/.installed
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -n 2 -q tests
+
+# the inner loop: each package's core behaviour in a few minutes (tests/fast_tier.py); CI runs `make test`
+test-fast: $(BIN)/.installed
+	$(BIN)/python -m pytest -n 2 -q -m fast tests
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check tandem tests benchmarks

@@ -37,6 +37,16 @@ from checkpoints import build_tiny_checkpoint, smollm2_checkpoint  # noqa: E402
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: takes tens of seconds (e.g. one-off SmolLM2 GGUF conversion)")
+    config.addinivalue_line("markers", "fast: the fast tier, `make test-fast` (tests/fast_tier.py)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    from fast_tier import FAST_FILES, FAST_TESTS
+
+    for item in items:
+        node = item.nodeid
+        if node.split("::")[0] in FAST_FILES or node.startswith(FAST_TESTS):
+            item.add_marker(pytest.mark.fast)
 
 
 TinyCheckpointFactory = Callable[..., Path]

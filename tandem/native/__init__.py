@@ -135,14 +135,22 @@ def needs_build(name: str) -> bool:
     return any(p.stat().st_mtime > built for p in (*_SOURCES, *_HEADERS))
 
 
+def _build_lock(name: str) -> Path | None:
+    """The lock file torch's builder holds in extension `name`'s build folder (None where its private helper is
+    missing: then the checks are skipped, not the kernels)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+    except ImportError:
+        return None
+    return Path(_get_build_directory(name, verbose=False)) / "lock"
+
+
 def clear_stale_build_lock(name: str, max_age_s: float = STALE_BUILD_LOCK_S) -> bool:
     """Remove the build folder's lock file of extension `name` when it is older than `max_age_s` (a build killed
     midway left it); True when one was removed."""
-    try:  # torch's own helper (private): where it is missing, the check is skipped, not the kernels
-        from torch.utils.cpp_extension import _get_build_directory
-    except ImportError:
+    lock = _build_lock(name)
+    if lock is None:
         return False
-    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
     try:
         age = time.time() - lock.stat().st_mtime
     except FileNotFoundError:
@@ -158,15 +166,8 @@ def await_build_lock(name: str, max_age_s: float = STALE_BUILD_LOCK_S, poll_s: f
     """Wait while another build of extension `name` holds its lock, and remove the lock once it is `max_age_s` old:
     torch's builder would wait on it with no limit, and a build killed a moment ago leaves a fresh one (an engine
     that arrived then hung in its first step for as long as anyone waited)."""
-    while True:
-        if clear_stale_build_lock(name, max_age_s):
-            return
-        try:
-            from torch.utils.cpp_extension import _get_build_directory
-        except ImportError:
-            return
-        if not (Path(_get_build_directory(name, verbose=False)) / "lock").exists():
-            return
+    lock = _build_lock(name)
+    while lock is not None and lock.exists() and not clear_stale_build_lock(name, max_age_s):
         time.sleep(poll_s)
 
 

@@ -113,12 +113,11 @@ class DraftHead(nn.Module):
         k, v = (x.repeat_interleave(group, dim=2).transpose(1, 2) for x in (k, v))
         return q.transpose(1, 2), k, v
 
-    def _finish(self, attn_out: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # attn_out: [B, heads, T, D]; residual: [B, T, H] -> (prenorm [B, T, H], logits [B, T, draft_vocab])
+    def _finish(self, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        # attn_out: [B, heads, T, D]; residual: [B, T, H] -> prenorm [B, T, H] (the next step's hidden)
         b, _, t, _ = attn_out.shape
         r2 = self.midlayer.self_attn.o_proj(attn_out.transpose(1, 2).reshape(b, t, -1)) + residual
-        prenorm = self.midlayer.mlp(self.midlayer.post_attention_layernorm(r2)) + r2
-        return prenorm, self.lm_head(self.norm(prenorm))
+        return self.midlayer.mlp(self.midlayer.post_attention_layernorm(r2)) + r2
 
     def ttt(self, embed: torch.Tensor, aux: torch.Tensor, input_ids: torch.Tensor, num_steps: int,
             ) -> list[torch.Tensor]:
@@ -127,6 +126,12 @@ class DraftHead(nn.Module):
         embed: [V, H] the target's embedding; aux: [B, T, A*H]; input_ids: [B, T + num_steps - 1] where
         input_ids[:, t + j] is step j's id at index t (x[t+1+j]; anything past a row's end is never used by a
         valid label). Returns per step logits [B, T, draft_vocab]."""
+        return [self.lm_head(self.norm(h)) for h in self.ttt_hidden(embed, aux, input_ids, num_steps)]
+
+    def ttt_hidden(self, embed: torch.Tensor, aux: torch.Tensor, input_ids: torch.Tensor, num_steps: int,
+                   ) -> list[torch.Tensor]:
+        """As ttt, but per step the pre-norm hidden state [B, T, H]: the objective applies norm and LM head only
+        where a label is valid (a third of the positions are prompt or padding, and the LM head is most of a step)."""
         b, t, _ = aux.shape
         scale = self.shape.head_dim ** -0.5
         index = torch.arange(t)
@@ -135,7 +140,7 @@ class DraftHead(nn.Module):
         k0 = v0 = None
         diag_k: list[torch.Tensor] = []  # step i >= 1 keys at each index: [B, heads, T, D]
         diag_v: list[torch.Tensor] = []
-        logits = []
+        out_hidden = []
         for j in range(num_steps):
             positions = (index + j).expand(b, t)
             q, k, v = self._qkv(F.embedding(input_ids[:, j:j + t], embed), hidden, positions)
@@ -151,9 +156,9 @@ class DraftHead(nn.Module):
             out = probs[..., :t] @ v0
             for i, dv in enumerate(diag_v):
                 out = out + probs[..., t + i:t + i + 1] * dv
-            hidden, step_logits = self._finish(out, hidden)
-            logits.append(step_logits)
-        return logits
+            hidden = self._finish(out, hidden)
+            out_hidden.append(hidden)
+        return out_hidden
 
 
 def step0_logits(head: DraftHead, embed: torch.Tensor, aux: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:

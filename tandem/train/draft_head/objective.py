@@ -56,25 +56,30 @@ def make_batch(store: FeatureStore, indices: list[int], num_steps: int) -> Batch
 def ttt_loss(head: DraftHead, embed: torch.Tensor, batch: Batch, vocab: DraftVocab, to_draft: torch.Tensor,
              num_steps: int, accept_k: int = 3) -> tuple[torch.Tensor, dict[str, float]]:
     t = batch.aux.shape[1]
-    logits = head.ttt(embed, batch.aux, batch.input_ids, num_steps)
+    hidden = head.ttt_hidden(embed, batch.aux, batch.input_ids, num_steps)
     loss = torch.zeros(())
     stats: dict[str, float] = {}
     hits = []
-    for j, step_logits in enumerate(logits):
-        label_draft = to_draft[batch.label_ids[:, j:j + t]]  # [B, T, k], -1 outside the draft vocab
-        probs = batch.label_probs[:, j:j + t] * (label_draft >= 0)
-        mass = probs.sum(-1)  # [B, T]
-        valid = batch.valid[:, j:j + t] & (mass > 0)
-        logp = torch.log_softmax(step_logits.float(), -1).gather(-1, label_draft.clamp_min(0))  # [B, T, k]
-        ce = -(probs / mass.clamp_min(1e-12)[..., None] * logp).sum(-1)  # [B, T]
-        n = valid.sum().clamp_min(1)
-        loss = loss + STEP_DECAY ** j * (ce * valid).sum() / n
-        guess = vocab.target_ids[step_logits.argmax(-1)]  # [B, T] target ids
-        step_valid = batch.valid[:, j:j + t]
-        stats[f"ce{j}"] = ((ce * valid).sum() / n).item()
-        stats[f"top1_{j}"] = ((guess == batch.label_ids[:, j:j + t, 0]) & step_valid).sum().item() / max(
+    for j, step_hidden in enumerate(hidden):
+        step_valid = batch.valid[:, j:j + t]  # [B, T]
+        # norm + LM head + softmax only at the N valid positions: rows [N, ...] below
+        logits = head.lm_head(head.norm(step_hidden[step_valid])).float()  # [N, draft_vocab]
+        label_draft = to_draft[batch.label_ids[:, j:j + t][step_valid]]  # [N, k], -1 outside the draft vocab
+        probs = batch.label_probs[:, j:j + t][step_valid] * (label_draft >= 0)
+        mass = probs.sum(-1)  # [N]
+        has_mass = mass > 0
+        logp = torch.log_softmax(logits, -1).gather(-1, label_draft.clamp_min(0))  # [N, k]
+        ce = -(probs / mass.clamp_min(1e-12)[:, None] * logp).sum(-1)  # [N]
+        n = has_mass.sum().clamp_min(1)
+        step_ce = (ce * has_mass).sum() / n
+        loss = loss + STEP_DECAY ** j * step_ce
+        guess = vocab.target_ids[logits.argmax(-1)]  # [N] target ids
+        stats[f"ce{j}"] = step_ce.item()
+        stats[f"top1_{j}"] = (guess == batch.label_ids[:, j:j + t, 0][step_valid]).sum().item() / max(
             int(step_valid.sum()), 1)
-        hits.append((guess == batch.next_ids[:, j:j + t]) & step_valid)
+        hit = torch.zeros_like(step_valid)
+        hit[step_valid] = guess == batch.next_ids[:, j:j + t][step_valid]
+        hits.append(hit)
     accepted = torch.stack(hits[:accept_k], -1).long().cumprod(-1).sum(-1)  # [B, T] leading hits
     counted = batch.valid[:, :t]
     stats["accept_len"] = 1.0 + accepted[counted].float().mean().item() if counted.any() else 1.0

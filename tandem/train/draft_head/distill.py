@@ -74,14 +74,17 @@ class Distiller:
         questions = [p.question for p in load_jsonl(self.plan.gsm8k_path)]
         random.Random(self.plan.seed).shuffle(questions)
         gsm8k = questions[:self.plan.num_prompts - num_magpie]
-        paths = []
-        for c in range(0, len(gsm8k), CHUNK_PROMPTS):
-            paths.append(self._chunk(f"gsm8k_{c // CHUNK_PROMPTS:05d}",
-                                     lambda c=c: gsm8k[c:c + CHUNK_PROMPTS]))
-        for c in range(0, num_magpie, CHUNK_PROMPTS):
-            n = min(CHUNK_PROMPTS, num_magpie - c)
-            paths.append(self._chunk(f"magpie_{c // CHUNK_PROMPTS:05d}",
-                                     lambda c=c, n=n: self._magpie_requests(self.plan.seed * 1_000_003 + c, n)))
+        jobs = [(f"gsm8k_{c // CHUNK_PROMPTS:05d}", lambda c=c: gsm8k[c:c + CHUNK_PROMPTS])
+                for c in range(0, len(gsm8k), CHUNK_PROMPTS)]
+        magpie = [(f"magpie_{c // CHUNK_PROMPTS:05d}",
+                   lambda c=c: self._magpie_requests(self.plan.seed * 1_000_003 + c,
+                                                     min(CHUNK_PROMPTS, num_magpie - c)))
+                  for c in range(0, num_magpie, CHUNK_PROMPTS)]
+        # generated alternately, so a run stopped part-way leaves both kinds in proportion; listed by kind
+        for i in range(max(len(jobs), len(magpie))):
+            for name, requests in (jobs[i:i + 1] + magpie[i:i + 1]):
+                self._chunk(name, requests)
+        paths = [self.data_dir / f"{name}.jsonl" for name, _ in jobs + magpie]
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None

@@ -65,6 +65,12 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    def decode_output(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        """A finished request's text: decode(), less the U+FFFD of a trailing unfinished UTF-8 character (a
+        generation cut inside a multi-byte character). DecodeStream holds such a tail back, so the streamed pieces
+        never carry it, and vLLM's output text (built from the same stream) does not either."""
+        return self.decode(token_ids, skip_special_tokens).rstrip("\ufffd")
+
     def decode_stream(self, skip_special_tokens: bool = True) -> Callable[[int], str]:
         """An incremental decoder (tokenizers' DecodeStream, O(1) a token): feed one token id, get the text it
         adds ("" while a UTF-8 character or a merge is unfinished)."""

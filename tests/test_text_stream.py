@@ -92,3 +92,26 @@ def test_stop_string_spanning_deltas_streams_like_the_full_answer(server, includ
     body = {**base, "stop": [stop], "include_stop_str_in_output": include}
     assert _complete(server, body) == expected
     assert _complete(server, {**body, "stream": True}) == expected, f"stop {stop!r} spanning two deltas"
+
+
+def test_a_generation_cut_inside_a_character_ends_as_its_stream_does(tiny_checkpoints):
+    """max_tokens can end a request inside a multi-byte character: the final text drops that half character, as
+    the streamed pieces (and vLLM's text) do, instead of ending in U+FFFD."""
+    from tandem import LLM
+
+    llm = LLM(str(tiny_checkpoints("deepseek_v3")), dtype="float32")
+    try:
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in range(1, 25)]
+        outs = llm.generate(["Once upon a time"] * len(params), params, use_tqdm=False)
+        tokenizer = llm.get_tokenizer()
+    finally:
+        llm.shutdown()
+    cut = 0
+    for out in outs:
+        ids, text = out.outputs[0].token_ids, out.outputs[0].text
+        cut += tokenizer.decode(ids).endswith("\ufffd")
+        stream = TextStream(tokenizer, SamplingParams())
+        pieces = "".join(stream.push([t]) for t in ids)
+        assert not text.endswith("\ufffd"), (ids, text)
+        assert pieces + stream.finish(text) == pieces == text, (ids, pieces, text)
+    assert cut, "no output ended inside a character: the test checks nothing"

@@ -112,7 +112,7 @@ class OutputProcessor:
     def make_output(self, req: Request) -> RequestOutput:
         sp = req.sampling_params
         text = req.output_text if req.stop_reason in (sp.stop or []) else \
-            self.tokenizer.decode(req.output_token_ids, sp.skip_special_tokens)
+            self.tokenizer.decode_output(req.output_token_ids, sp.skip_special_tokens)
         completion = CompletionOutput(0, text, list(req.output_token_ids), req.finish_reason, req.stop_reason,
                                       req.logprobs)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished=True,

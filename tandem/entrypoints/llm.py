@@ -12,6 +12,7 @@ from tandem.engine.metrics import Metric
 from tandem.entrypoints.engine_args import EngineArgs
 from tandem.outputs import RequestOutput
 from tandem.sampling_params import SamplingParams
+from tandem.tokenizer import Tokenizer
 
 PromptType = str | dict[str, Any]
 
@@ -62,6 +63,9 @@ class LLM:
     def draft_mode(self) -> str | None:
         """How the drafter runs under PCP: "sharded", "replicated", or None without a drafter model."""
         return self.engine.draft_mode.mode
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
 
     def get_metrics(self) -> list[Metric]:
         return self.engine.get_metrics()

@@ -13,7 +13,6 @@ import sys
 import pytest
 from eagle3_checkpoint import build_eagle3_head
 
-from tandem.bench import vllm_peer
 from tandem.bench.prompts import prompt_ids, prompt_texts
 from tandem.data.everyday import load_everyday
 from tandem.entrypoints import cli
@@ -88,7 +87,7 @@ def test_vs_vllm_rows_carry_the_peers_acceptance_and_ratios(target_and_head, tmp
     peers.mkdir()
     (peers / "vllm-env.sh").write_text(f"echo {sys.executable}\n")
     (peers / "vllm_generate.py").write_text(FAKE_GENERATE)
-    monkeypatch.setattr(vllm_peer, "PEERS", peers)
+    monkeypatch.setenv("TANDEM_PEERS_DIR", str(peers))
     out = tmp_path / "spec.json"
     rc = cli.main(_spec_argv(target, head, "--k", "2", "auto", "--batch-sizes", "2", "--max-tokens", "4",
                              "--repeats", "1", "--vs", "vllm", "--vllm-eager", "--output-json", str(out)))

@@ -12,15 +12,14 @@ import json
 import os
 import subprocess
 import tempfile
-from pathlib import Path
 from typing import Any
 
-PEERS = Path(os.environ.get("TANDEM_PEERS_DIR", Path(__file__).resolve().parents[3] / "shared" / "peers"))
+from tandem import envs
 
 
 def vllm_python() -> str:
     """The peer environment's python (vllm-env.sh builds it once under $TMPDIR)."""
-    script = PEERS / "vllm-env.sh"
+    script = envs.peers_dir() / "vllm-env.sh"
     if not script.is_file():
         raise FileNotFoundError(f"--vs vllm needs the peer recipe {script} (set TANDEM_PEERS_DIR)")
     return subprocess.run(["bash", str(script)], check=True, capture_output=True, text=True).stdout.strip()
@@ -45,7 +44,7 @@ class VLLMPeer:
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump(prompt_ids, f)
         env = os.environ | {"PEER_DTYPE": self.dtype, "PEER_EAGER": "1" if self.eager else "0"}
-        argv = [self.python, str(PEERS / "vllm_generate.py"), self.model, f.name, str(max_tokens)]
+        argv = [self.python, str(envs.peers_dir() / "vllm_generate.py"), self.model, f.name, str(max_tokens)]
         if self.speculative_config:
             argv.append(json.dumps(self.speculative_config))
         try:

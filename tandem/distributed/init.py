@@ -6,24 +6,24 @@ Example, TP=2, PCP=2: TP groups {0, 1} and {2, 3}; PCP groups {0, 2} and {1, 3};
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 import torch.distributed as dist
 
+from tandem import envs
 from tandem.config import ParallelConfig
 from tandem.distributed.groups import SINGLE, Group, ParallelGroups
 
 
 def collective_timeout_s() -> float:
     """How long a collective may wait for a peer before the engine declares the rank dead."""
-    return float(os.environ.get("TANDEM_COLLECTIVE_TIMEOUT_S", "30"))
+    return envs.collective_timeout_s()
 
 
 def step_timeout_s() -> float:
     """How long rank 0 may take to answer one step before the engine declares the ranks hung: the watchdog behind
     the collectives' own timeout (a rank stuck outside any collective never trips that one)."""
-    return float(os.environ.get("TANDEM_STEP_TIMEOUT_S", 2 * collective_timeout_s()))
+    return envs.step_timeout_s()
 
 
 def collective_timeout() -> timedelta:

@@ -22,7 +22,6 @@ so once. `TANDEM_NATIVE_KERNELS=0` turns all of it off (`TANDEM_NATIVE_ATTENTION
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
 import time
@@ -30,6 +29,8 @@ import zlib
 from pathlib import Path
 
 import torch
+
+from tandem import envs
 
 log = logging.getLogger("tandem")
 
@@ -88,7 +89,7 @@ def set_enabled(on: bool) -> None:
 
 
 def _load() -> bool:
-    if "0" in (os.environ.get("TANDEM_NATIVE_KERNELS", "1"), os.environ.get("TANDEM_NATIVE_ATTENTION", "1")):
+    if not envs.native_kernels():
         return False
     if _built():
         return True

@@ -33,11 +33,10 @@ thread, fewer than 4), where they differ by float rounding. The parity tests pin
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
-from tandem.config import ConfigError
+from tandem import envs
 from tandem.models.dspark import DSparkDrafter
 from tandem.spec_decode.proposer import TargetStep
 
@@ -94,7 +93,4 @@ WRITERS: dict[str, type[ContextKVWriter]] = {"sharded": ShardedContextKV, "repli
 
 def make_context_kv_writer(drafter: DSparkDrafter) -> ContextKVWriter:
     """The layout named by $TANDEM_DSPARK_CONTEXT_KV (read once, when the proposer is built), sharded if unset."""
-    layout = os.environ.get(CONTEXT_KV_ENV, "sharded")
-    if layout not in WRITERS:
-        raise ConfigError(f"{CONTEXT_KV_ENV}={layout!r} is not allowed: one of {', '.join(WRITERS)}")
-    return WRITERS[layout](drafter)
+    return WRITERS[envs.dspark_context_kv(tuple(WRITERS))](drafter)

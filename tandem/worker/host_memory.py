@@ -19,6 +19,8 @@ import ctypes.util
 import os
 import sys
 
+from tandem import envs
+
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 << 20  # glibc's ceiling for it on 64-bit: blocks above 32 MiB are still mapped per call
@@ -34,7 +36,7 @@ def keep_freed_memory() -> bool:
     if _applied is not None:
         return _applied
     _applied = False
-    if os.environ.get("TANDEM_KEEP_HOST_MEMORY", "1") == "0" or not sys.platform.startswith("linux"):
+    if not envs.keep_host_memory() or not sys.platform.startswith("linux"):
         return False
     if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
         return False  # the user tuned glibc themselves

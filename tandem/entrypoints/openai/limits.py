@@ -8,13 +8,14 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import os
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+
+from tandem import envs
 
 logger = logging.getLogger("tandem")
 API_KEY_ENV = "TANDEM_API_KEY"
@@ -44,7 +45,7 @@ class ServerLimits:
 
     @staticmethod
     def with_env_key(api_key: str | None, **kwargs: Any) -> ServerLimits:
-        return ServerLimits(api_key=api_key or os.environ.get(API_KEY_ENV) or None, **kwargs)
+        return ServerLimits(api_key=api_key or envs.api_key(), **kwargs)
 
 
 def error_body(message: str, status: int) -> dict[str, Any]:

@@ -196,3 +196,21 @@ def test_narrow_cache_equals_rounding_the_kv_in_a_float32_cache(tiny_checkpoints
     for got, want in zip(logprobs, ref_logprobs, strict=True):
         for g, w in zip(got, want, strict=True):
             assert g.keys() == w.keys() and max(abs(g[t] - w[t]) for t in g) < 1e-4
+
+
+def test_backend_without_the_dtype_is_refused_by_name(monkeypatch):
+    """A backend declares the kv_cache_dtype values it reads: asked for another it is refused naming both, and
+    automatic selection passes over it (never a silent upcast of the cache)."""
+    from tandem.attention import backend as backend_module
+    from tandem.attention.backends.paged_sdpa import PagedSDPABackend
+
+    class AutoOnly(PagedSDPABackend):
+        name = "AUTO_ONLY_SDPA"
+        kv_cache_dtypes = ("auto",)
+
+    backends = {"AUTO_ONLY_SDPA": AutoOnly, **backend_module.registered_backends()}  # first: automatic tries it first
+    monkeypatch.setattr(backend_module, "_REGISTRY", backends)
+    with pytest.raises(ValueError, match="'AUTO_ONLY_SDPA' cannot read a kv_cache_dtype='fp8' cache: it reads auto"):
+        backend_module.select_backend("full_attention", "AUTO_ONLY_SDPA", False, "fp8")
+    assert backend_module.select_backend("full_attention", None, False, "auto") is AutoOnly
+    assert backend_module.select_backend("full_attention", None, False, "fp8") is PagedSDPABackend

@@ -4,12 +4,14 @@ tandem/attention/sharded_kv.py); and the longest context a fixed per-rank KV bud
 
     .venv/bin/python benchmarks/kv_layout.py --contexts 8192 32768            # TTFT / TPOT / bytes
     .venv/bin/python benchmarks/kv_layout.py --capacity                       # max context per layout and P
+    .venv/bin/python benchmarks/kv_layout.py --capacity --per-rank-tokens 512 --kv-cache-dtypes auto bfloat16 fp8
 
 Model: the DeepSeek-V3-shaped checkpoint of benchmarks/long_prefill.py (MLA, kv_lora 512, rope 64, 16 heads, 2
 layers), float32, 2 ranks x 1 thread, 2,048-token chunks. TTFT: one fresh prompt of the context's length.
 TPOT: the context planted in the prefix cache (benchmarks/long_decode.py: decode cost does not depend on what
 the cached keys hold), then (wall of 1 + N tokens - wall of 1 token) / N, best of `--repeats`. Capacity: the
-bundled model with a per-rank pool of C tokens; the longest prompt that runs (prompt + 4 generated tokens).
+bundled model with a per-rank KV budget of C float32 tokens' bytes, per kv_cache_dtype (docs/kv_cache_dtype.md);
+the longest prompt that runs (prompt + 4 generated tokens), and one token more refused.
 """
 
 from __future__ import annotations
@@ -92,43 +94,58 @@ def layout_run(folder: Path, layout: str, context: int, new_tokens: int, repeats
             "logits_restore_bytes": PCP * config["hidden_size"] * 4}
 
 
-def capacity_rows(per_rank_tokens: int) -> list[dict]:
-    """The bundled model, a per-rank pool of `per_rank_tokens`: the longest prompt each P and layout runs."""
+def capacity_rows(per_rank_tokens: int, kv_cache_dtypes: tuple[str, ...] = ("auto",)) -> list[dict]:
+    """The bundled model, a per-rank KV budget of `per_rank_tokens` float32 tokens' bytes: the longest prompt each
+    kv_cache_dtype, P and layout runs. The budget is handed to the engine in bytes (kv_cache_memory_bytes), so a
+    narrower dtype holds more tokens in it."""
     from tandem import LLM, SamplingParams
     from tandem.assets import DEFAULT_MODEL
     from tandem.bench.prompts import random_token_ids
     from tandem.config import ConfigError
 
     block_size = 16
+    engine = {"dtype": "float32", "block_size": block_size, "max_num_batched_tokens": 2048}
     rows = []
-    for pcp in (1, 2, 4):
-        for layout in ("replicated", "sharded") if pcp > 1 else ("replicated",):
-            budget = per_rank_tokens * (pcp if layout == "sharded" else 1)
-            row = {"pcp": pcp, "layout": layout, "per_rank_tokens": per_rank_tokens}
-            try:  # the longest context the pool could hold; replicated past one rank's pool is refused
-                llm = LLM(str(DEFAULT_MODEL), dtype="float32", prefill_context_parallel_size=pcp,
-                          pcp_kv_layout=layout, block_size=block_size, max_model_len=budget,
-                          num_gpu_blocks_override=per_rank_tokens // block_size, max_num_batched_tokens=2048)
-            except ConfigError as e:
-                rows.append({**row, "max_prompt": None, "note": str(e)[:80]})
-                continue
-            try:
-                prompt = random_token_ids(1000, budget - 4, pcp)
-                start = time.perf_counter()
-                out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=4,
-                                                                                  ignore_eos=True), use_tqdm=False)[0]
-                ok = len(out.outputs[0].token_ids) == 4
-                rows.append({**row, "max_prompt": len(prompt) if ok else None, "wall_s": time.perf_counter() - start,
-                             "note": "ran" if ok else out.outputs[0].finish_reason})
-            finally:
-                llm.shutdown()
-            if layout == "replicated" and pcp > 1:  # one token past one rank's pool is refused at configuration
+    for kv in kv_cache_dtypes:
+        # the same bytes as per_rank_tokens float32 tokens: probed on one rank (each PCP rank's pool is the same)
+        probe = LLM(str(DEFAULT_MODEL), **engine, max_model_len=block_size, kv_cache_dtype="auto",
+                    kv_cache_memory_bytes=1 << 30)
+        kv_bytes = (1 << 30) // probe.engine.executor.num_kv_blocks * per_rank_tokens // block_size
+        probe.shutdown()
+        sized = LLM(str(DEFAULT_MODEL), **engine, max_model_len=block_size, kv_cache_dtype=kv,
+                    kv_cache_memory_bytes=kv_bytes)
+        pool = sized.engine.executor.num_kv_blocks * block_size  # tokens one rank's budget holds in this dtype
+        sized.shutdown()
+        for pcp in (1, 2, 4):
+            for layout in ("replicated", "sharded") if pcp > 1 else ("replicated",):
+                budget = pool * (pcp if layout == "sharded" else 1)
+                row = {"kv_cache_dtype": kv, "kv_bytes": kv_bytes, "pcp": pcp, "layout": layout,
+                       "per_rank_tokens": pool}
+                if budget > 4096:  # the bundled model's max_position_embeddings
+                    continue
+                try:  # the longest context the pool could hold; replicated past one rank's pool is refused
+                    llm = LLM(str(DEFAULT_MODEL), **engine, prefill_context_parallel_size=pcp, pcp_kv_layout=layout,
+                              max_model_len=budget, kv_cache_dtype=kv, kv_cache_memory_bytes=kv_bytes)
+                except ConfigError as e:
+                    rows.append({**row, "max_prompt": None, "note": str(e)[:80]})
+                    continue
                 try:
-                    LLM(str(DEFAULT_MODEL), prefill_context_parallel_size=pcp, block_size=block_size,
-                        max_model_len=budget + 1, num_gpu_blocks_override=per_rank_tokens // block_size).shutdown()
-                    rows[-1]["note"] += "; max_model_len C + 1 accepted (!)"
+                    prompt = random_token_ids(1000, budget - 4, pcp)
+                    start = time.perf_counter()
+                    out = llm.generate([{"prompt_token_ids": prompt}],
+                                       SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+                    ok = len(out.outputs[0].token_ids) == 4
+                    rows.append({**row, "max_prompt": len(prompt) if ok else None,
+                                 "wall_s": time.perf_counter() - start,
+                                 "note": "ran" if ok else out.outputs[0].finish_reason})
+                finally:
+                    llm.shutdown()
+                try:  # one token past what the pools hold is refused at configuration
+                    LLM(str(DEFAULT_MODEL), **engine, prefill_context_parallel_size=pcp, pcp_kv_layout=layout,
+                        max_model_len=budget + 1, kv_cache_dtype=kv, kv_cache_memory_bytes=kv_bytes).shutdown()
+                    rows[-1]["note"] += "; max_model_len + 1 accepted (!)"
                 except ConfigError:
-                    rows[-1]["note"] += "; max_model_len C + 1 refused"
+                    rows[-1]["note"] += "; max_model_len + 1 refused"
     return rows
 
 
@@ -139,7 +156,9 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--capacity", action="store_true", help="the capacity table instead")
-    p.add_argument("--per-rank-tokens", type=int, default=1024)
+    p.add_argument("--per-rank-tokens", type=int, default=1024, help="--capacity: each rank's KV budget, in the bytes "
+                   "of this many float32 tokens")
+    p.add_argument("--kv-cache-dtypes", nargs="+", default=["auto"], help="--capacity: one table row group each")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     from tandem.bench.machine import machine_info
@@ -148,10 +167,12 @@ def main() -> None:
     print(f"{info['cpu']}, {info['num_cores']} cores, torch {info['torch']}", flush=True)
     torch.set_num_threads(PCP)  # the multi-rank executor hands each rank threads // world: 1 each
     if a.capacity:
-        rows = capacity_rows(a.per_rank_tokens)
-        print("\n| P | layout | per-rank KV (tokens) | longest prompt that runs | note |\n|---|---|---|---|---|")
+        rows = capacity_rows(a.per_rank_tokens, tuple(a.kv_cache_dtypes))
+        print("\n| kv_cache_dtype | per-rank KV bytes | P | layout | per-rank KV (tokens) | longest prompt that runs | "
+              "note |\n|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['pcp']} | {r['layout']} | {r['per_rank_tokens']} | {r['max_prompt'] or '-'} | {r['note']} |")
+            print(f"| {r['kv_cache_dtype']} | {r['kv_bytes']:,} | {r['pcp']} | {r['layout']} | "
+                  f"{r['per_rank_tokens']} | {r['max_prompt'] or '-'} | {r['note']} |")
     else:
         folder = model_folder("dsv3", 32768)
         rows = []

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from tandem.attention.kv_dtype import KV_CACHE_DTYPES, kv_storage_dtype
+
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -86,8 +88,14 @@ class CacheConfig:
     # KV pool size in blocks; None sizes it from kv_cache_memory_bytes.
     num_gpu_blocks: int | None = None
     kv_cache_memory_bytes: int = 1 << 30
+    # kv_cache_dtype (vLLM's CacheConfig.cache_dtype): auto (the model's dtype), bfloat16, fp8 (= fp8_e4m3),
+    # fp8_e5m2; the budget above counts bytes, so a narrower dtype holds more tokens (tandem/attention/kv_dtype.py)
     cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
+
+    def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV cache tensors' dtype."""
+        return kv_storage_dtype(self.cache_dtype, model_dtype)
 
 
 @dataclass(frozen=True)
@@ -340,6 +348,8 @@ class EngineConfig:
                   f"at most the model's max_position_embeddings ({limit})")
         if c.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             _fail("block_size", c.block_size, "a power of two from 1 to 256")
+        if c.cache_dtype not in KV_CACHE_DTYPES:
+            _fail("kv_cache_dtype (--kv-cache-dtype)", c.cache_dtype, f"one of {', '.join(KV_CACHE_DTYPES)}")
         if c.num_gpu_blocks is not None and c.num_gpu_blocks < 1:
             _fail("num_gpu_blocks", c.num_gpu_blocks, "a positive integer or None")
         if s.max_num_seqs < 1:

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import torch
 
 from tandem.attention.batch import AttentionBatch
+from tandem.attention.kv_dtype import KV_CACHE_DTYPES
 from tandem.config import EngineConfig
 
 ATTENTION_KINDS = ("full_attention", "mla_attention")
@@ -26,6 +27,9 @@ class AttentionBackend:
     name: ClassVar[str]
     kinds: ClassVar[tuple[str, ...]]
     automatic: ClassVar[bool] = True  # automatic selection may pick it (False: by name only, e.g. an oracle)
+    # the kv_cache_dtype values whose cache its forward reads (tandem/attention/kv_dtype.py); a backend that reads
+    # fewer is refused for the others at start-up, never served by upcasting the cache
+    kv_cache_dtypes: ClassVar[tuple[str, ...]] = KV_CACHE_DTYPES
 
     @classmethod
     def supports_pcp(cls) -> bool:
@@ -100,14 +104,16 @@ def select_target_backends(config: EngineConfig) -> dict[str, type[AttentionBack
     attn = config.attention_config
     kind = attention_kind(config.model_config.architecture)
     use_pcp = config.parallel_config.prefill_context_parallel_size > 1
-    cls = select_backend(kind, attn.backend_per_kind.get(kind, attn.backend), use_pcp)
+    cls = select_backend(kind, attn.backend_per_kind.get(kind, attn.backend), use_pcp,
+                         config.cache_config.cache_dtype)
     if use_pcp and config.parallel_config.pcp_kv_layout == "sharded" and not cls.supports_kv_sharding():
         raise ValueError(f"attention backend {cls.name!r} does not attend over owner-sharded KV "
                          "(pcp_kv_layout='sharded'): use PAGED_SDPA / PAGED_MLA or pcp_kv_layout='replicated'")
     return {kind: cls}
 
 
-def select_backend(kind: str, requested: str | None, use_pcp: bool) -> type[AttentionBackend]:
+def select_backend(kind: str, requested: str | None, use_pcp: bool,
+                   kv_cache_dtype: str = "auto") -> type[AttentionBackend]:
     """The backend for one attention kind: the requested one if it can serve, else the first capable."""
     if kind not in ATTENTION_KINDS:
         raise ValueError(f"attention kind {kind!r} is not supported: one of {', '.join(ATTENTION_KINDS)}")
@@ -121,10 +127,14 @@ def select_backend(kind: str, requested: str | None, use_pcp: bool) -> type[Atte
                              f"{', '.join(cls.kinds)}")
         if use_pcp and not cls.supports_pcp():
             raise ValueError(f"attention backend {requested!r} does not support prefill context parallelism")
+        if kv_cache_dtype not in cls.kv_cache_dtypes:
+            raise ValueError(f"attention backend {requested!r} cannot read a kv_cache_dtype={kv_cache_dtype!r} cache: "
+                             f"it reads {', '.join(cls.kv_cache_dtypes)}")
         return cls
     # Automatic selection prefers PCP-capable backends even without PCP, so the choice does not
     # change with the layout (and a drafter resolved with use_pcp=True gets the same one).
     for cls in sorted(backends.values(), key=lambda c: not c.supports_pcp()):
-        if cls.automatic and kind in cls.kinds and (cls.supports_pcp() or not use_pcp):
+        if cls.automatic and kind in cls.kinds and (cls.supports_pcp() or not use_pcp) \
+                and kv_cache_dtype in cls.kv_cache_dtypes:
             return cls
-    raise ValueError(f"no attention backend serves {kind} with use_pcp={use_pcp}")
+    raise ValueError(f"no attention backend serves {kind} with use_pcp={use_pcp} and kv_cache_dtype={kv_cache_dtype!r}")

@@ -1,7 +1,9 @@
 """Attention modules that models instantiate; the backend and metadata come from the forward context.
 
 Each module owns its paged KV cache tensor (`kv_cache`, bound by the model runner after
-allocation) and declares `kind` and `kv_spec()` so the runner can size and allocate it.
+allocation) and declares `kind` and `kv_spec()` so the runner can size and allocate it. The cache's dtype is
+`kv_cache_dtype`'s: new K/V are stored in it (saturated, divided by the layer's `k_scale` / `v_scale`) before the PCP
+gather, and the scales are folded into the softmax scale and the output (tandem/attention/kv_dtype.py).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from torch import nn
 
 from tandem.attention.expanded_prefix import KeptExpansion
 from tandem.attention.forward_context import get_forward_context
+from tandem.attention.kv_dtype import to_cache
 from tandem.attention.mla import MLAUpProjection
 from tandem.compilation import opaque_ops
 
@@ -24,6 +27,8 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.kv_cache = torch.empty(0)
+        # stored K = K / k_scale, V = V / v_scale (a checkpoint's k_scale / v_scale, else 1.0: vLLM's default)
+        self.k_scale, self.v_scale = 1.0, 1.0
         self.layer_name = opaque_ops.register_layer(self)
 
     def kv_spec(self) -> tuple[int, int]:
@@ -37,6 +42,8 @@ class Attention(nn.Module):
     def forward_eager(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         t = q.shape[0]
+        k, v = to_cache(k, self.kv_cache.dtype, self.k_scale), to_cache(v, self.kv_cache.dtype, self.v_scale)
+        scale = self.scale * self.k_scale
         if ctx.gathers_kv:  # one gather for K and V: under PCP every rank writes every rank's prefill K/V
             kv = ctx.gather_kv(torch.cat((k, v), dim=-1)).view(-1, 2, self.num_kv_heads, self.head_dim)
             k, v = kv[:, 0], kv[:, 1]
@@ -45,9 +52,12 @@ class Attention(nn.Module):
         meta, backend, exchange = ctx.metadata(self.kind), ctx.backends[self.kind], ctx.kv_exchange
         q = q.view(t, self.num_heads, self.head_dim)
         if exchange is not None:  # owner-sharded KV: every rank's queries over its own keys, partials merged by LSE
-            o, lse = backend.forward_sharded(exchange.gather_queries(q), k, v, self.kv_cache, meta, self.scale)
-            return exchange.merge(o, lse).to(q.dtype).reshape(t, self.num_heads * self.head_dim)
-        out = backend.forward(q, k, v, self.kv_cache, meta, self.scale)
+            o, lse = backend.forward_sharded(exchange.gather_queries(q), k, v, self.kv_cache, meta, scale)
+            out = exchange.merge(o, lse).to(q.dtype)
+        else:
+            out = backend.forward(q, k, v, self.kv_cache, meta, scale)
+        if self.v_scale != 1.0:
+            out = out * self.v_scale
         return out.reshape(t, self.num_heads * self.head_dim)
 
 
@@ -70,6 +80,9 @@ class MLAAttention(nn.Module):
         self.num_heads, self.kv_lora_rank = num_heads, kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim, self.scale = qk_nope_head_dim, qk_rope_head_dim, v_head_dim, scale
         self.kv_cache = torch.empty(0)  # (with kept_prefix: a shared prefix's expansion, kept across steps)
+        # stored entry = [kv_c | k_pe] / k_scale: one scale for the entry, which is both key and value (v_scale,
+        # read with it, is unused: vLLM's MLA backends read k_scale alone)
+        self.k_scale, self.v_scale = 1.0, 1.0
         self.layer_name = opaque_ops.register_layer(self)
 
     @property
@@ -97,11 +110,16 @@ class MLAAttention(nn.Module):
         w = kv_b_weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         up = MLAUpProjection(w_uk=w[:, : self.nope_dim], w_uv=w[:, self.nope_dim:],  # [H, nope, L], [H, v, L]
                              w_kv_b=kv_b_weight, kept=self.kept_prefix)
-        entries = ctx.gather_kv(torch.cat((kv_c, k_pe), dim=-1))  # [T (or P * max_local under PCP), L + rope]
+        entries = to_cache(torch.cat((kv_c, k_pe), dim=-1), self.kv_cache.dtype, self.k_scale)  # [T, L + rope]
+        entries = ctx.gather_kv(entries)  # [T (or P * max_local under PCP), L + rope]
         meta, backend, exchange = ctx.metadata(self.kind), ctx.backends[self.kind], ctx.kv_exchange
+        scale = self.scale * self.k_scale
         if exchange is not None:  # owner-sharded KV: every rank's queries over its own latents, merged by LSE
             q = exchange.gather_queries(torch.cat((q_nope, q_pe), dim=-1))  # [T_global, H, nope + rope]
-            o, lse = backend.forward_mla_sharded(q, entries, self.kv_cache, meta, self.scale, up)
-            return exchange.merge(o, lse).to(q_nope.dtype).reshape(q_nope.shape[0], self.num_heads * self.v_dim)
-        out = backend.forward_mla(q_nope, q_pe, entries, self.kv_cache, meta, self.scale, up)  # [T, H, v]
+            o, lse = backend.forward_mla_sharded(q, entries, self.kv_cache, meta, scale, up)
+            out = exchange.merge(o, lse).to(q_nope.dtype)
+        else:
+            out = backend.forward_mla(q_nope, q_pe, entries, self.kv_cache, meta, scale, up)  # [T, H, v]
+        if self.k_scale != 1.0:
+            out = out * self.k_scale
         return out.reshape(q_nope.shape[0], self.num_heads * self.v_dim)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from tandem.attention.kv_dtype import FP8_DTYPES
 from tandem.compilation import opaque_ops
 
 
@@ -36,6 +37,8 @@ class Group:
         """Concatenate every rank's `x` along `dim` (all ranks pass the same shape)."""
         if self.size == 1:
             return x
+        if x.dtype in FP8_DTYPES:  # gloo has no float8: a stored KV cache value crosses as its byte
+            return self.all_gather(x.view(torch.uint8), dim).view(x.dtype)
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
@@ -45,6 +48,8 @@ class Group:
         from each rank s, concatenated in rank order (every rank knows every size: they come from the plan)."""
         if self.size == 1:
             return x
+        if x.dtype in FP8_DTYPES:
+            return self.all_to_all(x.view(torch.uint8), send_rows, recv_rows).view(x.dtype)
         out = x.new_empty(sum(recv_rows), *x.shape[1:])
         dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv_rows, input_split_sizes=send_rows,
                                group=self.group)

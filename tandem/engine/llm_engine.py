@@ -53,9 +53,12 @@ class LLMEngine:
         capacity = num_blocks * config.cache_config.block_size
         if capacity < config.model_config.max_model_len:
             per_rank = f" ({pools} ranks x {num_blocks // pools})" if pools > 1 else ""
-            raise ConfigError(f"the KV cache holds {capacity} tokens ({num_blocks} blocks{per_rank}), fewer than "
+            kv_dtype = str(config.cache_config.kv_dtype(config.model_config.dtype)).removeprefix("torch.")
+            raise ConfigError(f"the KV cache holds {capacity} tokens ({num_blocks} blocks{per_rank} of "
+                              f"kv_cache_dtype={config.cache_config.cache_dtype!r}: {kv_dtype}), fewer than "
                               f"max_model_len={config.model_config.max_model_len}: lower max_model_len, "
-                              "give the cache more memory (kv_cache_memory_bytes / num_gpu_blocks)"
+                              "give the cache more memory (kv_cache_memory_bytes / num_gpu_blocks), store it narrower "
+                              "(kv_cache_dtype bfloat16 / fp8)"
                               + ("" if pools > 1 or config.parallel_config.prefill_context_parallel_size == 1
                                  else " or shard the KV over the PCP ranks (pcp_kv_layout='sharded')"))
         if self.spec.enabled:

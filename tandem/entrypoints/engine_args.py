@@ -10,6 +10,7 @@ import typing
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tandem.attention.kv_dtype import KV_CACHE_DTYPES
 from tandem.config import (
     AttentionConfig,
     CacheConfig,
@@ -35,6 +36,7 @@ class EngineArgs:
     block_size: int = 16
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int = 1 << 30
+    kv_cache_dtype: str = "auto"
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
@@ -70,6 +72,7 @@ class EngineArgs:
         return EngineConfig(
             model_config=mc,
             cache_config=CacheConfig(self.block_size, self.num_gpu_blocks_override, self.kv_cache_memory_bytes,
+                                     cache_dtype=self.kv_cache_dtype,
                                      enable_prefix_caching=self.enable_prefix_caching),
             scheduler_config=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens,
                                              self.enable_chunked_prefill),
@@ -93,6 +96,9 @@ class EngineArgs:
         p.add_argument("--block-size", type=int, default=d.block_size)
         p.add_argument("--num-gpu-blocks-override", type=int, default=None, help="KV pool size in blocks")
         p.add_argument("--kv-cache-memory-bytes", type=int, default=d.kv_cache_memory_bytes)
+        p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
+                       help="the KV cache's dtype: auto (the model's), bfloat16, fp8 (= fp8_e4m3) or fp8_e5m2; the "
+                            "same --kv-cache-memory-bytes then holds 2x (bf16 -> fp8) or 4x (float32 -> fp8) tokens")
         p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
         p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
         p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)

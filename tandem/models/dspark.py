@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from tandem.attention.backends.prefix import grouped_sdpa
+from tandem.attention.kv_dtype import to_cache
 from tandem.config import ConfigError, ModelConfig
 from tandem.distributed.groups import SINGLE
 from tandem.layers.embedding import VocabParallelEmbedding
@@ -151,9 +152,10 @@ class DSparkAttention(nn.Module):
 
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # features: [T, hidden]; positions: [T] -> [T, 2, Hkv, D] rotated k and v, already in the cache's dtype
-        # (what crosses PCP ranks under the sharded context write is exactly what the cache stores)
+        # (what crosses PCP ranks under the sharded context write is exactly what the cache stores), saturated
+        # (kv_cache_dtype fp8: the drafter has no checkpoint scales, so its scale is 1.0)
         k, v = self._kv(features, positions)
-        return torch.stack((k, v), dim=1).to(self.kv_cache.dtype)
+        return to_cache(torch.stack((k, v), dim=1), self.kv_cache.dtype)
 
     def write_kv(self, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         # kv: [T, 2, Hkv, D]; slot_mapping: [T] (PAD_SLOT_ID rows write nothing)

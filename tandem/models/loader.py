@@ -25,6 +25,7 @@ __all__ = ["WeightLoadError", "build_model", "load_weights", "packed_weight_targ
 
 # Tensors that carry no model state in some checkpoints.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+KV_SCALE_SUFFIXES = (".k_scale", ".v_scale")
 
 
 def packed_weight_target(model: nn.Module, name: str) -> tuple[str, Any]:
@@ -46,6 +47,10 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, CheckpointTensor
         if target is None:
             continue  # deliberately skipped by the model
         param_name, shard = target
+        if param_name.endswith(KV_SCALE_SUFFIXES):
+            if not load_kv_scale(model, param_name, tensor):
+                unexpected.append(name)
+            continue
         param = params.get(param_name)
         if param is None:
             unexpected.append(name)
@@ -67,6 +72,22 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, CheckpointTensor
         if missing:
             parts.append(f"missing from the checkpoint: {', '.join(sorted(missing)[:20])}")
         raise WeightLoadError("; ".join(parts), missing)
+
+
+def load_kv_scale(model: nn.Module, name: str, tensor: CheckpointTensor | torch.Tensor) -> bool:
+    """A checkpoint's per-layer KV cache scale (vLLM's names: `<layer>.self_attn.k_scale` / `v_scale`, or under the
+    attention module itself) -> the attention module's `k_scale` / `v_scale` float (tandem/attention/kv_dtype.py):
+    its cache stores K / k_scale. False when `name` names no attention module."""
+    owner_name, attr = name.rsplit(".", 1)
+    owner = dict(model.named_modules()).get(owner_name)
+    found = [] if owner is None else [m for m in owner.modules() if hasattr(m, "kv_spec")]
+    if len(found) != 1:
+        return False
+    value = float((tensor.materialize() if isinstance(tensor, CheckpointTensor) else tensor).float().reshape(-1)[0])
+    if not 0.0 < value < float("inf"):
+        raise WeightLoadError(f"checkpoint tensor {name!r}: a KV cache scale must be finite and > 0, got {value}")
+    setattr(found[0], attr, value)
+    return True
 
 
 def build_model(config: ModelConfig, groups: ParallelGroups, device: str = "cpu", with_mtp: bool = False) -> nn.Module:

@@ -54,6 +54,36 @@ inline const float* as_float<at::BFloat16>(const at::BFloat16* src, float* buf, 
   return buf;
 }
 
+// float8 (kv_cache_dtype fp8_e4m3 / fp8_e5m2): each of the 256 codes' float32 value looked up, the cache's bytes
+// converted in the task's buffer as bfloat16's are (a saturated store never holds an inf or nan code)
+template <typename F8>
+const float* fp8_values() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int i = 0; i < 256; ++i) t[i] = static_cast<float>(F8(static_cast<uint8_t>(i), F8::from_bits()));
+    return t;
+  }();
+  return table.data();
+}
+
+template <typename F8>
+inline const float* fp8_as_float(const F8* src, float* buf, int64_t n) {
+  const uint8_t* s = reinterpret_cast<const uint8_t*>(src);
+  const float* table = fp8_values<F8>();
+  for (int64_t i = 0; i < n; ++i) buf[i] = table[s[i]];
+  return buf;
+}
+
+template <>
+inline const float* as_float<c10::Float8_e4m3fn>(const c10::Float8_e4m3fn* src, float* buf, int64_t n) {
+  return fp8_as_float(src, buf, n);
+}
+
+template <>
+inline const float* as_float<c10::Float8_e5m2>(const c10::Float8_e5m2* src, float* buf, int64_t n) {
+  return fp8_as_float(src, buf, n);
+}
+
 // One vector accumulator and a tree sum at the end: the compiler's own simd reduction sums its lanes one by one
 // through memory (16 dependent adds a dot, most of a decode's scoring time).
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -214,7 +244,8 @@ inline float exp_sum(float* x, int64_t n, float mx) {
   return sum;
 }
 
-template <typename T>
+// T: the queries' and outputs' dtype (the model's); KV: the cache's (kv_cache_dtype), T itself or narrower
+template <typename T, typename KV>
 void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& block_table,
          const torch::Tensor& rows, const torch::Tensor& positions, int64_t block_size, double scale,
          torch::Tensor& out, torch::Tensor& lse) {
@@ -226,8 +257,8 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
   const int64_t table_stride = block_table.stride(0);
   const int64_t* pos = positions.data_ptr<int64_t>();
   const T* qp = q.data_ptr<T>();
-  const T* kp = k.data_ptr<T>();
-  const T* vp = v.data_ptr<T>();
+  const KV* kp = reinterpret_cast<const KV*>(k.data_ptr());
+  const KV* vp = reinterpret_cast<const KV*>(v.data_ptr());
   T* op = out.data_ptr<T>();
   float* lp = lse.data_ptr<float>();
   const int64_t q_tok = q.stride(0), q_head = q.stride(1), o_tok = out.stride(0), o_head = out.stride(1);
@@ -301,7 +332,7 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
       }
       int64_t* koff = grow(tl_koff, chunk);  // each key's slot as an element offset into kbase and into vbase
       int64_t* voff = grow(tl_voff, chunk);
-      // The chunk's keys and values as float32: a float32 cache read in place; another dtype's (bfloat16) converted
+      // The chunk's keys and values as float32: a float32 cache read in place; another dtype's (bfloat16, float8) converted
       // once a task into per-thread buffers [width, Hkv, D], so both run the same blocked scoring and weighting
       // (converting a key per (key, head) and scoring it query by query cost bf16 1.6x float32's time a prompt)
       const float* kbase;
@@ -311,7 +342,7 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
         const int64_t p = lo + s;
         return static_cast<int64_t>(blocks[p / block_size]) * block_size + p % block_size;
       };
-      if constexpr (std::is_same_v<T, float>) {
+      if constexpr (std::is_same_v<KV, float>) {
         kbase = kp, vbase = vp, kh = k_head, vh = v_head;
         for (int64_t s = 0; s < width; ++s) {
           koff[s] = slot_of(s) * k_slot;
@@ -486,18 +517,52 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
   });
 }
 
+// The cache's dtype for queries of type T: T's own, or (kv_cache_dtype) bfloat16 or float8 below float32 / float16
+template <typename T>
+void run_cache_dtype(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                     const torch::Tensor& block_table, const torch::Tensor& rows, const torch::Tensor& positions,
+                     int64_t block_size, double scale, torch::Tensor& out, torch::Tensor& lse) {
+  const auto kv = k.scalar_type();
+  if (kv == q.scalar_type()) {
+    run<T, T>(q, k, v, block_table, rows, positions, block_size, scale, out, lse);
+  } else if (kv == torch::kFloat8_e4m3fn) {
+    run<T, c10::Float8_e4m3fn>(q, k, v, block_table, rows, positions, block_size, scale, out, lse);
+  } else if (kv == torch::kFloat8_e5m2) {
+    run<T, c10::Float8_e5m2>(q, k, v, block_table, rows, positions, block_size, scale, out, lse);
+  } else if (kv == torch::kBFloat16 && !std::is_same_v<T, at::BFloat16>) {
+    run<T, at::BFloat16>(q, k, v, block_table, rows, positions, block_size, scale, out, lse);
+  } else {
+    TORCH_CHECK(false, "paged_attention: a ", kv, " cache under ", q.scalar_type(), " queries is not served");
+  }
+}
+
+void dispatch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& block_table,
+              const torch::Tensor& rows, const torch::Tensor& positions, int64_t block_size, double scale,
+              torch::Tensor& out, torch::Tensor& lse) {
+  if (q.scalar_type() == torch::kFloat32) {
+    run_cache_dtype<float>(q, k, v, block_table, rows, positions, block_size, scale, out, lse);
+  } else if (q.scalar_type() == torch::kBFloat16) {
+    run_cache_dtype<at::BFloat16>(q, k, v, block_table, rows, positions, block_size, scale, out, lse);
+  } else if (q.scalar_type() == torch::kFloat16) {
+    run_cache_dtype<at::Half>(q, k, v, block_table, rows, positions, block_size, scale, out, lse);
+  } else {
+    TORCH_CHECK(false, "paged_attention: float32, bfloat16 or float16 queries only");
+  }
+}
+
 }  // namespace
 
 // q: [T, Hq, Dk]; k: [slots, Hkv, Dk]; v: [slots, Hkv, Dv] (a view of k's first Dv channels for MLA's latents);
 // block_table: [num_table_rows, max_blocks] int32; rows: [R, 5] int32; positions: [T] int64;
-// out: [T, Hq, Dv] (q's dtype), lse: [T, Hq] float32: written at the rows' query tokens only.
+// out: [T, Hq, Dv] (q's dtype), lse: [T, Hq] float32: written at the rows' query tokens only. k and v may be
+// narrower than q (kv_cache_dtype bfloat16 / fp8): dequantized chunk by chunk, never as a float copy of the prefix.
 void paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor block_table,
                      torch::Tensor rows, torch::Tensor positions, int64_t block_size, double scale,
                      torch::Tensor out, torch::Tensor lse) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu(), "paged_attention: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "paged_attention: q, k, v must be 3-D");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type() &&
-                  out.scalar_type() == q.scalar_type(), "paged_attention: q, k, v and out must share a dtype");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "paged_attention: k and v must share a dtype, and q and out another");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && out.stride(2) == 1,
               "paged_attention: the last dimension must be contiguous");
   TORCH_CHECK(q.size(1) % k.size(1) == 0, "paged_attention: query heads must be a multiple of KV heads");
@@ -520,15 +585,7 @@ void paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
                     key_start >= 0 && seq_len <= block_table.size(1) * block_size,
                 "paged_attention: row ", i, " is out of range");
   }
-  if (q.scalar_type() == torch::kFloat32) {
-    run<float>(q, k, v, block_table, rows, positions, block_size, scale, out, lse);
-  } else if (q.scalar_type() == torch::kBFloat16) {
-    run<at::BFloat16>(q, k, v, block_table, rows, positions, block_size, scale, out, lse);
-  } else if (q.scalar_type() == torch::kFloat16) {
-    run<at::Half>(q, k, v, block_table, rows, positions, block_size, scale, out, lse);
-  } else {
-    TORCH_CHECK(false, "paged_attention: float32, bfloat16 or float16 only");
-  }
+  dispatch(q, k, v, block_table, rows, positions, block_size, scale, out, lse);
 }
 
 TORCH_LIBRARY(tandem_native, m) {

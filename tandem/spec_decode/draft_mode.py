@@ -33,10 +33,10 @@ def resolve_draft_mode(config: EngineConfig) -> DraftMode:
     kind = attention_kind(config.model_config.architecture)
     requested = attn.backend_per_kind.get(kind) or spec.attention_backend or attn.backend
     if requested is None:
-        backend = select_backend(kind, None, use_pcp=True)
+        backend = select_backend(kind, None, use_pcp=True, kv_cache_dtype=config.cache_config.cache_dtype)
         source = "automatic selection (PCP-capable backends only)"
     else:
-        backend = select_backend(kind, requested, use_pcp=False)
+        backend = select_backend(kind, requested, use_pcp=False, kv_cache_dtype=config.cache_config.cache_dtype)
         source = f"explicit backend {requested}"
     if spec.method == "dspark":
         return DraftMode("replicated", backend, "DSpark always runs replicated over the global batch")

@@ -61,11 +61,16 @@ class ModelRunner:
         self.draft_probs: dict[str, torch.Tensor] = {}
         self.grammar = GrammarMasks(config)  # per-request matchers of constrained requests
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV caches' dtype (kv_cache_dtype), the target's and every drafter's."""
+        return self.config.cache_config.kv_dtype(self.config.model_config.dtype)
+
     def num_kv_blocks(self) -> int:
         cache = self.config.cache_config
         if cache.num_gpu_blocks is not None:
             return cache.num_gpu_blocks
-        dtype = self.config.model_config.dtype
+        dtype = self.kv_dtype  # the budget counts bytes: fp8 holds 2x bf16's tokens, 4x float32's
         replicated = self._replicated_kv_modules()
         own = [m for m in attention_modules(self.model) if m not in replicated]
         per_block = bytes_per_block(own, self.backends, self.block_size, dtype)
@@ -84,7 +89,7 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """`num_blocks`: this rank's pool (the same on every rank)."""
         self.num_blocks = num_blocks
-        dtype = self.config.model_config.dtype
+        dtype = self.kv_dtype
         replicated = self._replicated_kv_modules()
         own = [m for m in attention_modules(self.model) if m not in replicated]
         allocate_kv_caches(own, self.backends, num_blocks, self.block_size, dtype, self.device)

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tandem.attention.kv_dtype import FP8_DTYPES
+
 
 @dataclass(frozen=True)
 class PCPPartition:
@@ -151,7 +153,9 @@ def restore(gathered: torch.Tensor, part: PCPPartition) -> torch.Tensor:
     idx = torch.from_numpy(part.restore_idx).to(gathered.device)
     out = gathered[idx.clamp(min=0)]
     if part.num_padding:
-        out = out.masked_fill((idx < 0).view(-1, *([1] * (out.dim() - 1))), 0)
+        # float8 (a drafter's stored context K/V) has no masked_fill on the CPU: its zero is the zero byte
+        raw = out.view(torch.uint8) if out.dtype in FP8_DTYPES else out
+        out = raw.masked_fill((idx < 0).view(-1, *([1] * (out.dim() - 1))), 0).view(out.dtype)
     return out
 
 

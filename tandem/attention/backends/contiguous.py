@@ -50,8 +50,9 @@ def cached_prefix_plus_new_attention(q: torch.Tensor, k_new: torch.Tensor, v_new
     """q: [T, Hq, Dk]; k_new/v_new: [T, Hkv, D*] aligned with q; k_flat/v_flat: [num_slots, Hkv, D*] cache."""
     out = q.new_zeros(q.shape[0], q.shape[1], v_flat.shape[-1])
     for g in meta.groups:  # whole rows: a row's new keys come from its own new tokens
-        keys = torch.cat((gather_rows(k_flat, g.kv_slots).to(q.dtype), gather_rows(k_new, g.token_idx)), dim=1)
-        values = torch.cat((gather_rows(v_flat, g.kv_slots).to(q.dtype), gather_rows(v_new, g.token_idx)), dim=1)
+        # the new K/V are stored values (kv_cache_dtype) like the cached ones: both read in q's dtype
+        keys = torch.cat((gather_rows(k_flat, g.kv_slots), gather_rows(k_new, g.token_idx)), dim=1).to(q.dtype)
+        values = torch.cat((gather_rows(v_flat, g.kv_slots), gather_rows(v_new, g.token_idx)), dim=1).to(q.dtype)
         mask = _mask(g, meta.batch)
         og = grouped_sdpa(q[g.token_idx], keys, values, mask, scale, ~mask)  # [G, Q, Hq, Dv]
         out[g.token_idx[g.token_valid]] = og[g.token_valid]
@@ -112,7 +113,7 @@ class ContiguousMLABackend(AttentionBackend):
         out = q_nope.new_zeros(q_nope.shape[0], q_nope.shape[1], up.w_uv.shape[1])
         for g in meta.groups:
             latent = torch.cat((gather_rows(cache_flat, g.kv_slots).to(q_nope.dtype),
-                                gather_rows(entries, g.token_idx)), dim=1)  # [G, S + Q, L + R]
+                                gather_rows(entries, g.token_idx).to(q_nope.dtype)), dim=1)  # [G, S + Q, L + R]
             if g.token_idx.shape[1] <= SHORT_ROW_TOKENS:
                 q = gather_rows(absorb(q_nope, q_pe, up), g.token_idx)  # [G, Q, H, L + R]
                 lat = latent.unsqueeze(2)  # [G, S + Q, 1, L + R]: MQA

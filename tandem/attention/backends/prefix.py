@@ -25,6 +25,7 @@ from tandem import native
 from tandem.attention.backend import AttentionBackend
 from tandem.attention.batch import AttentionBatch
 from tandem.attention.causal_rows import attention_with_lse, causal_row_attention, merge_attn_states
+from tandem.attention.kv_dtype import store_rows
 from tandem.attention.kv_ownership import owned_metadata
 from tandem.attention.metadata import AttentionMetadata, RowKeys, SharedPrefix, gather_rows, plan_batch, select_rows
 from tandem.attention.sharded_kv import ShardedAttentionMetadata
@@ -46,7 +47,7 @@ def write_kv(cache_flat: torch.Tensor, new: torch.Tensor, meta: AttentionBatch |
     # a step writes all its rows in order (one rank, no padding): new's leading rows as they lie, not a gathered copy
     leading = write_rows_leading(meta)
     rows = new[:leading] if leading is not None else new[meta.write_rows]
-    cache_flat.index_copy_(0, meta.write_slots, rows.to(cache_flat.dtype))
+    store_rows(cache_flat, meta.write_slots, rows.to(cache_flat.dtype))
 
 
 def write_rows_leading(meta: AttentionBatch | ShardedAttentionMetadata) -> int | None:
@@ -121,13 +122,13 @@ def own_key_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tenso
     native_long = long_rows and meta.native_long_rows is not None
     if native_long:  # prompt rows of a GQA model whole through the native kernel, written into `out` in place
         assert meta.native_long_rows is not None
-        if out.dtype == k_flat.dtype and out.stride(-1) == 1:
+        if out.stride(-1) == 1:
             _native_rows_into(q, k_flat, v_flat, meta, meta.native_long_rows, scale, dv, out)
-        else:  # the kernel writes the cache's dtype: through a buffer of it
+        else:  # the kernel writes rows with a contiguous last dimension: through a buffer
             o_long = _native_rows_into(q, k_flat, v_flat, meta, meta.native_long_rows, scale, dv,
-                                       q.new_zeros(*out.shape, dtype=k_flat.dtype))
+                                       torch.zeros_like(out, memory_format=torch.contiguous_format))
             long_tokens = torch.cat([torch.arange(t0, t0 + n) for t0, n in meta.native_long_rows[:, 1:3].tolist()])
-            out[long_tokens] = o_long[long_tokens].to(out.dtype)
+            out[long_tokens] = o_long[long_tokens]
     for lr in meta.long_rows if long_rows else ():
         if native_long and lr.native:
             continue
@@ -143,26 +144,26 @@ def own_key_attention(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tenso
 def native_short_rows(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor | None, meta: AttentionMetadata,
                       rows: torch.Tensor, scale: float, dv: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The short rows through the native kernel -> (out [T, Hq, Dv], zero at other tokens; lse [T, Hq] float32
-    when a shared prefix is to be merged, else None). The kernel computes in the cache's dtype."""
-    out = q.new_zeros(q.shape[0], q.shape[1], dv, dtype=k_flat.dtype)
+    when a shared prefix is to be merged, else None). The kernel reads the cache in its own dtype (kv_cache_dtype)
+    and computes in float32."""
+    out = q.new_zeros(q.shape[0], q.shape[1], dv)
     lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32)  # [T, Hq]
     _native_rows_into(q, k_flat, v_flat, meta, rows, scale, dv, out, lse)
-    return out.to(q.dtype), None if meta.shared_prefix is None else lse
+    return out, None if meta.shared_prefix is None else lse
 
 
 def _native_rows_into(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor | None, meta: AttentionMetadata,
                       rows: torch.Tensor, scale: float, dv: int, out: torch.Tensor,
                       lse: torch.Tensor | None = None) -> torch.Tensor:
-    """The kernel's rows written into out [T, Hq, Dv] (the cache's dtype) and lse [T, Hq] at their tokens; the other
-    tokens keep their values. -> out"""
+    """The kernel's rows written into out [T, Hq, Dv] (q's dtype) and lse [T, Hq] at their tokens; the other tokens
+    keep their values. -> out"""
     values = k_flat[..., :dv] if v_flat is None else v_flat
-    qc = q if q.dtype == k_flat.dtype else q.to(k_flat.dtype)
     if lse is None:
         lse = torch.empty(q.shape[:2], dtype=torch.float32)  # written at the rows' tokens, unused
     positions = meta.positions if meta.positions.dtype == torch.int64 else meta.positions.long()
     if positions.shape[0] < q.shape[0]:  # graph padding after the rows (MTP's padded draft decodes): in no row
         positions = torch.cat((positions, positions.new_zeros(q.shape[0] - positions.shape[0])))
-    native.paged_attention(qc, k_flat, values, meta.block_table, rows, positions.contiguous(), meta.block_size,
+    native.paged_attention(q, k_flat, values, meta.block_table, rows, positions.contiguous(), meta.block_size,
                            scale, out, lse)
     return out
 

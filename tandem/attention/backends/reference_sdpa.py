@@ -13,6 +13,7 @@ import torch
 
 from tandem.attention.backend import AttentionBackend, register_backend
 from tandem.attention.batch import AttentionBatch
+from tandem.attention.kv_dtype import store_rows
 from tandem.attention.mla import MLAUpProjection, absorb, up_project
 
 
@@ -33,7 +34,7 @@ def row_attention_with_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
 
 def write_new(cache_flat: torch.Tensor, new: torch.Tensor, batch: AttentionBatch) -> None:
     # cache_flat: [num_slots, ...]; new: [num rows of write_rows' tensor, ...]
-    cache_flat.index_copy_(0, batch.write_slots, new[batch.write_rows].to(cache_flat.dtype))
+    store_rows(cache_flat, batch.write_slots, new[batch.write_rows].to(cache_flat.dtype))
 
 
 def row_slots(batch: AttentionBatch, row: int) -> torch.Tensor:

@@ -33,3 +33,17 @@ def test_a_shut_down_llm_frees_its_runner_and_refuses_new_steps(tiny_checkpoints
     assert runner() is None
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_an_engine_refused_after_its_ranks_started_leaves_no_rank_behind(tiny_checkpoints):
+    """The KV capacity check runs once the ranks have sized their pools: a refusal there shuts them down."""
+    import multiprocessing
+
+    from tandem.config import ConfigError
+
+    before = {p.pid for p in multiprocessing.active_children()}
+    with pytest.raises(ConfigError, match="fewer than max_model_len"):
+        LLM(str(tiny_checkpoints("llama")), dtype="float32", prefill_context_parallel_size=2,
+            num_gpu_blocks_override=2, max_model_len=128)
+    left = [p for p in multiprocessing.active_children() if p.pid not in before]
+    assert not left, f"ranks left running: {left}"

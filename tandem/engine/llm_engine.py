@@ -47,6 +47,22 @@ class LLMEngine:
         self.spec = config.speculative_config
         self.draft_mode = resolve_draft_mode(config)
         self.executor = _make_executor(config)
+        try:
+            self.scheduler = self._start(config)
+        except BaseException:
+            self.executor.shutdown()  # the ranks started: a refused pool or a failed calibration must not leave them
+            raise
+        self.requests: dict[str, Request] = {}
+        self.parents: dict[str, ParentRequest] = {}  # parallel sampling (n > 1), by the parent's id
+        self._child_of: dict[str, tuple[ParentRequest, int]] = {}  # child id -> (parent, choice index)
+        self.stats = EngineStats()
+        self.outputs = OutputProcessor(self.tokenizer, self.scheduler, self.stats, config.model_config.max_model_len)
+        self._ids = itertools.count()
+        self._rng = random.Random(config.model_config.seed)
+        self._last_log, self._last_log_tokens = time.monotonic(), 0
+
+    def _start(self, config: EngineConfig) -> Scheduler:
+        """What follows the ranks' start: the KV capacity check, the "auto" K policy and its calibration."""
         # sharded PCP KV: every rank holds its own pool of num_kv_blocks; the scheduler sees all P pools
         pools = kv_pools(config)
         num_blocks = self.executor.num_kv_blocks * pools
@@ -73,18 +89,11 @@ class LLMEngine:
                                   max_deferred_tokens=MAX_DEFERRED_TOKENS if mtp else MAX_DEFERRED_CONTEXT_TOKENS,
                                   block_size=config.cache_config.block_size)
                        if self.spec.enabled and self.spec.auto else None)
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, config.model_config, num_blocks,
+        scheduler = Scheduler(config.scheduler_config, config.cache_config, config.model_config, num_blocks,
                                    self.spec, self.policy, num_kv_pools=pools)
         if self.policy is not None:  # seed its cost models; the next plan frees the synthetic rows on every rank
-            self.scheduler.release(calibrate(self.policy, self.executor.execute, config, num_blocks))
-        self.requests: dict[str, Request] = {}
-        self.parents: dict[str, ParentRequest] = {}  # parallel sampling (n > 1), by the parent's id
-        self._child_of: dict[str, tuple[ParentRequest, int]] = {}  # child id -> (parent, choice index)
-        self.stats = EngineStats()
-        self.outputs = OutputProcessor(self.tokenizer, self.scheduler, self.stats, config.model_config.max_model_len)
-        self._ids = itertools.count()
-        self._rng = random.Random(config.model_config.seed)
-        self._last_log, self._last_log_tokens = time.monotonic(), 0
+            scheduler.release(calibrate(self.policy, self.executor.execute, config, num_blocks))
+        return scheduler
 
     def add_request(self, prompt: str | list[int], params: SamplingParams,
                     request_id: str | None = None) -> Request | ParentRequest | RequestOutput:

@@ -85,6 +85,21 @@ def test_choice_regex_and_grammar_outputs_match(llm):
         assert reason == "stop" and check(text), f"{text!r} ({reason}) breaks its constraint"
 
 
+def test_ended_grammar_stops_under_ignore_eos_and_min_tokens(llm):
+    """A grammar that has ended allows only EOS, and that EOS ends the request with "stop" even under ignore_eos and
+    min_tokens (vLLM instead lifts the mask once the grammar ends and lets such a request run on unconstrained to
+    max_tokens): the output is the grammar's, never text after it. Greedy and sampled, a literal and a regex that may
+    stop after 2 characters or go on to 4."""
+    cases = [(StructuredOutputsParams(choice=["yes", "no"]), lambda t: t in ("yes", "no")),
+             (StructuredOutputsParams(regex=r"[a-c]{2,4}"), re.compile(r"[a-c]{2,4}").fullmatch)]
+    prompts = random_prompts([6] * 4, vocab_size=500, seed=4)
+    params = [SamplingParams(temperature=t, seed=3, max_tokens=40, min_tokens=20, ignore_eos=True,
+                             structured_outputs=c) for t in (0, 1.0) for c, _ in cases]
+    for (text, reason, tokens), (_, check) in zip(_texts(llm, prompts, params), cases * 2, strict=True):
+        assert reason == "stop" and check(text), f"{text!r} ended with {reason} after {len(tokens)} tokens"
+        assert len(tokens) < 20, "min_tokens must not hold a request past the end of its grammar"
+
+
 def test_json_object_is_an_object(llm):
     """OpenAI's json_object: an object, never a top-level array or scalar (a random model may not close it)."""
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=40,

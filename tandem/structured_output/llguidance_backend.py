@@ -2,7 +2,8 @@
 validated LLMatcher a grammar that each request deep-copies; masks filled in parallel by an LLExecutor.
 
 Differences from xgrammar a client can see: compact JSON (`disable_any_whitespace`) has no space after `:` and `,`;
-`structural_tag` (xgrammar's own format) is refused; a JSON schema `{"$ref": "#"}` compiles (to an empty grammar).
+`structural_tag` (xgrammar's own format) is refused; a JSON schema `{"$ref": "#"}` compiles (to an empty grammar); a
+grammar that forces an endless output is refused (xgrammar follows it until max_tokens).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import torch
 from tandem.config import StructuredOutputsConfig
 from tandem.structured_output.backend import GrammarBackend, Matcher, hf_tokenizer, stop_token_ids
 from tandem.structured_output.params import GrammarError, GrammarSpec
+
+MAX_FORCED_BYTES = 4096
 
 
 class LLGuidanceMatcher:
@@ -74,6 +77,11 @@ class LLGuidanceBackend(GrammarBackend):
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"the {spec.kind} grammar is invalid: {_clean(matcher.get_error())}")
+        # a grammar whose output is forced on and on (one with no end: `root ::= "a" root`) puts llguidance's matcher
+        # in an error state at its first token (its forced-token expansion runs out of items): refused here instead
+        if len(matcher.deep_copy().compute_ff_bytes()) > MAX_FORCED_BYTES:
+            raise GrammarError(f"the {spec.kind} grammar forces more than {MAX_FORCED_BYTES} characters in a row "
+                               "(a grammar with no end?), which the llguidance backend cannot follow; xgrammar can")
         return matcher
 
     def matcher(self, compiled: Any) -> Matcher:

@@ -159,6 +159,7 @@ FAST_TESTS = (
     "tests/test_structured_output.py::test_choice_limit_is_exact",
     "tests/test_structured_output.py::test_choice_regex_and_grammar_outputs_match",
     "tests/test_structured_output.py::test_compile_time_limit",
+    "tests/test_structured_output.py::test_ended_grammar_stops_under_ignore_eos_and_min_tokens",
     "tests/test_structured_output.py::test_grammar_that_cannot_finish_ends_with_length",
     "tests/test_structured_output.py::test_hostile_constraints_refused_at_construction",
     "tests/test_structured_output.py::test_invalid_grammar_fails_its_request_and_engine_stays_usable",

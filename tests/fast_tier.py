@@ -156,6 +156,7 @@ FAST_TESTS = (
     "tests/test_spec_policy.py::test_tokens_per_second_is_close_to_the_best_fixed_k",
     "tests/test_spec_policy.py::test_vectorised_expected_equals_the_plain_per_row_sum",
     "tests/test_spec_policy.py::test_where_the_optimum_is_flat_the_chosen_ks_are_within_3_percent",
+    "tests/test_structured_output.py::test_backend_is_one_of_the_implemented",
     "tests/test_structured_output.py::test_choice_limit_is_exact",
     "tests/test_structured_output.py::test_choice_regex_and_grammar_outputs_match",
     "tests/test_structured_output.py::test_compile_time_limit",

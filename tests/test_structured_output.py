@@ -280,3 +280,16 @@ def test_bundled_model_schema_suite_pcp2_mtp_k3_equals_no_spec():
         if ref.finish_reason == "stop":
             jsonschema.validate(_parse(ref.text), schemas[i])
     assert sum(o.finish_reason == "stop" for o in reference) >= NUM_SCHEMAS // 2, [o.text for o in reference]
+
+
+def test_backend_is_one_of_the_implemented(dsv3):
+    """vLLM's `guidance` names llguidance; anything else is refused naming the field and what is allowed."""
+    from tandem.config import ConfigError
+    from tandem.entrypoints.engine_args import EngineArgs
+    from tandem.structured_output.backend import make_backend
+    from tandem.structured_output.llguidance_backend import LLGuidanceBackend
+
+    config = EngineArgs(model=str(dsv3), structured_outputs_config={"backend": "guidance"}).create_engine_config()
+    assert isinstance(make_backend(str(dsv3), 2048, config.structured_outputs_config), LLGuidanceBackend)
+    with pytest.raises(ConfigError, match="backend.*outlines.*xgrammar, guidance, llguidance"):
+        EngineArgs(model=str(dsv3), structured_outputs_config={"backend": "outlines"}).create_engine_config()

@@ -307,14 +307,14 @@ class CompilationConfig:
         return next((size for size in self.capture_sizes if size >= num_tokens), num_tokens)
 
 
-STRUCTURED_OUTPUT_BACKENDS = ("xgrammar",)
+STRUCTURED_OUTPUT_BACKENDS = ("xgrammar", "guidance", "llguidance")  # guidance: vLLM's name for llguidance
 
 
 @dataclass(frozen=True)
 class StructuredOutputsConfig:
-    """vLLM's names (`--structured-outputs-config`). `backend`: the grammar engine; `disable_any_whitespace`: JSON
-    without free whitespace between tokens (a small model then cannot wander into endless blank lines);
-    `compile_timeout_s`: a grammar that compiles longer is refused."""
+    """vLLM's names (`--structured-outputs-config`). `backend`: the grammar engine (xgrammar; llguidance, which vLLM
+    names guidance); `disable_any_whitespace`: JSON without free whitespace between tokens (a small model then
+    cannot wander into endless blank lines); `compile_timeout_s`: a grammar that compiles longer is refused."""
 
     backend: str = "xgrammar"
     disable_any_whitespace: bool = False

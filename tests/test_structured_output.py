@@ -1,7 +1,7 @@
-"""Structured output offline: outputs follow their grammar (seeded random JSON schemas validated by `jsonschema`,
-choices, regexes, EBNF), greedy speculative decoding under a grammar equals greedy without drafts (n-gram, MTP,
-PCP=2), hostile constraints fail fast naming the problem, compiled grammars are cached, and a grammar that cannot
-finish within max_tokens ends with "length"."""
+"""Structured output offline, on each grammar backend (xgrammar, llguidance): outputs follow their grammar (seeded
+random JSON schemas validated by `jsonschema`, choices, regexes, EBNF), greedy speculative decoding under a grammar
+equals greedy without drafts (n-gram, MTP, PCP=2), hostile constraints fail fast naming the problem, compiled
+grammars are cached, and a grammar that cannot finish within max_tokens ends with "length"."""
 
 from __future__ import annotations
 
@@ -17,9 +17,13 @@ from json_schemas import random_schema
 from tandem import LLM, SamplingParams, StructuredOutputsParams
 from tandem.structured_output.params import MAX_CHOICES, GrammarError
 
-ENGINE = {"dtype": "float32", "max_num_batched_tokens": 64,
-          "structured_outputs_config": {"disable_any_whitespace": True}}
+BACKENDS = ("xgrammar", "llguidance")
 NUM_SCHEMAS = 12
+
+
+def _engine(backend: str) -> dict:
+    return {"dtype": "float32", "max_num_batched_tokens": 64,
+            "structured_outputs_config": {"backend": backend, "disable_any_whitespace": True}}
 
 
 def _parse(text: str) -> object:
@@ -37,9 +41,14 @@ def dsv3(tiny_checkpoints):
     return tiny_checkpoints("deepseek_v3", num_mtp_layers=1)
 
 
+@pytest.fixture(scope="module", params=BACKENDS)
+def backend(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def llm(dsv3):
-    engine = LLM(str(dsv3), **ENGINE)
+def llm(dsv3, backend):
+    engine = LLM(str(dsv3), **_engine(backend))
     yield engine
     engine.shutdown()
 
@@ -76,6 +85,21 @@ def test_choice_regex_and_grammar_outputs_match(llm):
         assert reason == "stop" and check(text), f"{text!r} ({reason}) breaks its constraint"
 
 
+def test_ended_grammar_stops_under_ignore_eos_and_min_tokens(llm):
+    """A grammar that has ended allows only EOS, and that EOS ends the request with "stop" even under ignore_eos and
+    min_tokens (vLLM instead lifts the mask once the grammar ends and lets such a request run on unconstrained to
+    max_tokens): the output is the grammar's, never text after it. Greedy and sampled, a literal and a regex that may
+    stop after 2 characters or go on to 4."""
+    cases = [(StructuredOutputsParams(choice=["yes", "no"]), lambda t: t in ("yes", "no")),
+             (StructuredOutputsParams(regex=r"[a-c]{2,4}"), re.compile(r"[a-c]{2,4}").fullmatch)]
+    prompts = random_prompts([6] * 4, vocab_size=500, seed=4)
+    params = [SamplingParams(temperature=t, seed=3, max_tokens=40, min_tokens=20, ignore_eos=True,
+                             structured_outputs=c) for t in (0, 1.0) for c, _ in cases]
+    for (text, reason, tokens), (_, check) in zip(_texts(llm, prompts, params), cases * 2, strict=True):
+        assert reason == "stop" and check(text), f"{text!r} ended with {reason} after {len(tokens)} tokens"
+        assert len(tokens) < 20, "min_tokens must not hold a request past the end of its grammar"
+
+
 def test_json_object_is_an_object(llm):
     """OpenAI's json_object: an object, never a top-level array or scalar (a random model may not close it)."""
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=40,
@@ -90,14 +114,14 @@ def test_json_object_is_an_object(llm):
     {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
     {"method": "mtp", "num_speculative_tokens": 3},
 ], ids=["ngram-k3", "mtp-k3"])
-def test_greedy_speculative_equals_non_speculative_under_grammar(dsv3, llm, spec):
+def test_greedy_speculative_equals_non_speculative_under_grammar(dsv3, backend, llm, spec):
     """Every draft row gets the mask of the state after the drafts before it, and rejected drafts leave the
     matcher where the accepted tokens put it: greedy tokens equal those without drafts."""
     schemas = [random_schema(100 + i) for i in range(6)]
     prompts = random_prompts([9, 14, 21, 30, 6, 11], vocab_size=500, seed=8)
     params = [_json(s, temperature=0) for s in schemas]
     reference = _texts(llm, prompts, params)
-    spec_llm = LLM(str(dsv3), **ENGINE, speculative_config=spec)
+    spec_llm = LLM(str(dsv3), **_engine(backend), speculative_config=spec)
     try:
         got = _texts(spec_llm, prompts, params)
         # sampled: a draft the grammar forbids has p = 0 under the mask, so it is never accepted
@@ -116,14 +140,14 @@ def test_greedy_speculative_equals_non_speculative_under_grammar(dsv3, llm, spec
         assert metrics["tandem:spec_decode_num_accepted_tokens"] > 0
 
 
-def test_pcp2_mtp_under_grammar_equals_single_rank_no_spec(dsv3, llm):
+def test_pcp2_mtp_under_grammar_equals_single_rank_no_spec(dsv3, backend, llm):
     """Masks are computed on every rank from the same emitted tokens: PCP=2 with MTP K=3 samples the same tokens
     as one rank without drafts (and long prompts are split over the ranks)."""
     schemas = [random_schema(200 + i) for i in range(3)]
     prompts = random_prompts([70, 9, 40], vocab_size=500, seed=9)
     params = [_json(s, temperature=0) for s in schemas]
     reference = _texts(llm, prompts, params)
-    pcp = LLM(str(dsv3), **ENGINE, prefill_context_parallel_size=2,
+    pcp = LLM(str(dsv3), **_engine(backend), prefill_context_parallel_size=2,
               speculative_config={"method": "mtp", "num_speculative_tokens": 3})
     try:
         got = _texts(pcp, prompts, params)
@@ -146,18 +170,29 @@ def test_hostile_constraints_refused_at_construction(make, problem):
         make()
 
 
-@pytest.mark.parametrize("constraint,problem", [
-    (StructuredOutputsParams(regex="(abc"), "parenthesis"),
-    (StructuredOutputsParams(grammar="root ::= undefined_rule"), "not defined"),
-    (StructuredOutputsParams(json={"type": "florp"}), "florp"),
-    (StructuredOutputsParams(json={"$ref": "#"}), "Circular"),
-    (StructuredOutputsParams(json={"$ref": "#/$defs/missing"}), "missing|\\$defs"),
-])
-def test_invalid_grammar_fails_its_request_and_engine_stays_usable(llm, constraint, problem):
+# (constraint, {backend: what its error names}); a backend left out compiles the constraint
+INVALID = [
+    (StructuredOutputsParams(regex="(abc"), {"xgrammar": "parenthesis", "llguidance": "unclosed group"}),
+    (StructuredOutputsParams(grammar="root ::= undefined_rule"),
+     {"xgrammar": "not defined", "llguidance": "'undefined_rule' not found"}),
+    (StructuredOutputsParams(json={"type": "florp"}), {"xgrammar": "florp", "llguidance": "florp"}),
+    (StructuredOutputsParams(json={"$ref": "#"}), {"xgrammar": "Circular"}),  # llguidance: an empty grammar
+    (StructuredOutputsParams(json={"$ref": "#/$defs/missing"}),
+     {"xgrammar": "missing|\\$defs", "llguidance": "missing|\\$defs"}),
+    (StructuredOutputsParams(structural_tag=json.dumps({"type": "structural_tag", "format": {
+        "type": "const_string", "value": "x"}})), {"llguidance": "not supported by the llguidance backend"}),
+]
+
+
+@pytest.mark.parametrize("constraint,problems", INVALID, ids=range(len(INVALID)))
+def test_invalid_grammar_fails_its_request_and_engine_stays_usable(llm, backend, constraint, problems):
     start = time.monotonic()
-    with pytest.raises(GrammarError, match=problem):
-        llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(structured_outputs=constraint),
-                     use_tqdm=False)
+    prompt, params = [{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3, structured_outputs=constraint)
+    if backend not in problems:
+        llm.generate(prompt, params, use_tqdm=False)  # this backend follows the constraint
+        return
+    with pytest.raises(GrammarError, match=problems[backend]):
+        llm.generate(prompt, params, use_tqdm=False)
     assert time.monotonic() - start < 10
     ok = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert len(ok[0].outputs[0].token_ids) == 3
@@ -190,14 +225,22 @@ def test_second_request_with_same_grammar_hits_the_cache(llm):
     assert after["tandem:grammar_mask_seconds"] > 0
 
 
-def test_grammar_that_cannot_finish_ends_with_length(llm):
-    """A schema whose every instance is infinite (a required self-reference) runs until max_tokens."""
+def test_grammar_that_cannot_finish_ends_with_length(llm, backend):
+    """A schema whose every instance is longer than max_tokens runs until max_tokens: an array of at least 100 items,
+    and one whose every instance is infinite, a required self-reference (xgrammar follows it; llguidance refuses it
+    at compile: its forced-token expansion would fail at the first token)."""
+    long_array = {"type": "array", "items": {"enum": [1, 2]}, "minItems": 100}
     endless = {"$ref": "#/$defs/n", "$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}},
                                                     "required": ["c"], "additionalProperties": False}}}
-    params = SamplingParams(temperature=0, max_tokens=25, structured_outputs=StructuredOutputsParams(json=endless))
-    text, reason, tokens = _texts(llm, [[5, 6, 7]], [params])[0]
-    assert reason == "length" and len(tokens) == 25
-    assert text.startswith('{"c": {"c": ')
+    for schema, start in [(long_array, "["), (endless, '{"c":{"c":')]:
+        params = SamplingParams(temperature=0, max_tokens=25, structured_outputs=StructuredOutputsParams(json=schema))
+        if backend == "llguidance" and schema is endless:
+            with pytest.raises(GrammarError, match="forces more than 4096 characters"):
+                _texts(llm, [[5, 6, 7]], [params])
+            continue
+        text, reason, tokens = _texts(llm, [[5, 6, 7]], [params])[0]
+        assert reason == "length" and len(tokens) == 25, f"{reason} after {len(tokens)} tokens: {text!r}"
+        assert text.replace(" ", "").startswith(start), text  # llguidance's compact JSON has no spaces
 
 
 def test_choice_limit_is_exact():
@@ -237,3 +280,16 @@ def test_bundled_model_schema_suite_pcp2_mtp_k3_equals_no_spec():
         if ref.finish_reason == "stop":
             jsonschema.validate(_parse(ref.text), schemas[i])
     assert sum(o.finish_reason == "stop" for o in reference) >= NUM_SCHEMAS // 2, [o.text for o in reference]
+
+
+def test_backend_is_one_of_the_implemented(dsv3):
+    """vLLM's `guidance` names llguidance; anything else is refused naming the field and what is allowed."""
+    from tandem.config import ConfigError
+    from tandem.entrypoints.engine_args import EngineArgs
+    from tandem.structured_output.backend import make_backend
+    from tandem.structured_output.llguidance_backend import LLGuidanceBackend
+
+    config = EngineArgs(model=str(dsv3), structured_outputs_config={"backend": "guidance"}).create_engine_config()
+    assert isinstance(make_backend(str(dsv3), 2048, config.structured_outputs_config), LLGuidanceBackend)
+    with pytest.raises(ConfigError, match="backend.*outlines.*xgrammar, guidance, llguidance"):
+        EngineArgs(model=str(dsv3), structured_outputs_config={"backend": "outlines"}).create_engine_config()

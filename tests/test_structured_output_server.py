@@ -1,7 +1,7 @@
-"""Structured output through `tandem serve` with the official openai client: response_format json_schema and
-json_object, chat.completions.parse with pydantic models, vLLM's structured_outputs field on completions, streamed
-and not, under MTP drafts; hostile constraints are a prompt 400 naming the problem while the server stays healthy;
-a grammar cut by max_tokens ends with "length"."""
+"""Structured output through `tandem serve` with the official openai client, on each grammar backend (xgrammar,
+llguidance): response_format json_schema and json_object, chat.completions.parse with pydantic models, vLLM's
+structured_outputs field on completions, streamed and not, under MTP drafts; hostile constraints are a prompt 400
+naming the problem while the server stays healthy; a grammar cut by max_tokens ends with "length"."""
 
 from __future__ import annotations
 
@@ -24,11 +24,11 @@ NAME = "tiny-dsv3"
 NUM_SCHEMAS = 10
 
 
-@pytest.fixture(scope="module")
-def server(tiny_checkpoints):
+@pytest.fixture(scope="module", params=["xgrammar", "llguidance"])
+def server(tiny_checkpoints, request):
     path = str(tiny_checkpoints("deepseek_v3", num_mtp_layers=1))
     args = EngineArgs(model=path, dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": 2},
-                      structured_outputs_config={"disable_any_whitespace": True})
+                      structured_outputs_config={"backend": request.param, "disable_any_whitespace": True})
     with server_in_thread(args, NAME) as (url, engine):
         yield url, engine
 
@@ -113,23 +113,32 @@ def test_json_object_and_structured_outputs_on_completions(server):
 
 
 def test_grammar_cut_by_max_tokens_ends_with_length(server):
-    url, _ = server
-    status, body = _post(url, "/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "temperature": 0,
-        "structured_outputs": {"grammar": 'root ::= "a" root'}})  # no end: only max_tokens stops it
-    assert status == 200 and body["choices"][0]["finish_reason"] == "length", body
-    assert body["choices"][0]["message"]["content"].startswith("a")
+    url, engine = server
+    grammars = ['root ::= "a" root', 'root ::= ("a" | "b") root']  # no end: only max_tokens stops them
+    if engine.engine.config.structured_outputs_config.backend == "llguidance":  # refuses a forced endless output
+        status, body = _post(url, "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "x"}], "max_tokens": 3,
+            "structured_outputs": {"grammar": grammars.pop(0)}})
+        assert status == 400 and "forces more than" in body["error"]["message"], body
+    for grammar in grammars:
+        status, body = _post(url, "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "temperature": 0,
+            "structured_outputs": {"grammar": grammar}})
+        assert status == 200 and body["choices"][0]["finish_reason"] == "length", body
+        assert body["choices"][0]["message"]["content"][0] in "ab"
 
 
+# (extra request fields, what the 400 names: one text, or {backend: text} where the backends' words differ; None:
+# this backend may compile it, a 200 or a bounded 400)
 HOSTILE = [
     ({"structured_outputs": {"choice": [f"c{i}" for i in range(100_000)]}}, "at most 1024"),
     ({"structured_outputs": {"json": {"type": "string", "description": "x" * 100_000}}}, "characters"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": json.loads(
         '{"type": "object", "properties": {"a": ' * 60 + '{"type": "string"}' + "}}" * 60)}}}, "levels deep"),
-    ({"structured_outputs": {"json": {"$ref": "#"}}}, "Circular"),
-    ({"structured_outputs": {"regex": "(unclosed"}}, "parenthesis"),
+    ({"structured_outputs": {"json": {"$ref": "#"}}}, {"xgrammar": "Circular", "llguidance": None}),
+    ({"structured_outputs": {"regex": "(unclosed"}}, {"xgrammar": "parenthesis", "llguidance": "unclosed group"}),
     ({"structured_outputs": {"regex": "((a{50}){50}){50}"}}, None),  # compiles: 200, or a bounded 400
-    ({"structured_outputs": {"grammar": "root ::= nowhere"}}, "not defined"),
+    ({"structured_outputs": {"grammar": "root ::= nowhere"}}, {"xgrammar": "not defined", "llguidance": "not found"}),
     ({"structured_outputs": {"json": {"type": "florp"}}}, "florp"),
     ({"response_format": {"type": "json_schema"}}, "schema is missing"),
     ({"response_format": {"type": "xml"}}, "not supported"),
@@ -140,7 +149,9 @@ HOSTILE = [
 
 @pytest.mark.parametrize("extra,named", HOSTILE, ids=range(len(HOSTILE)))
 def test_hostile_constraints_are_a_prompt_400(server, extra, named):
-    url, _ = server
+    url, engine = server
+    if isinstance(named, dict):
+        named = named[engine.engine.config.structured_outputs_config.backend]
     start = time.monotonic()
     status, body = _post(url, "/v1/chat/completions",
                          {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **extra})

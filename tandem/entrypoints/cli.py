@@ -11,6 +11,7 @@ from pathlib import Path
 from tandem.config import ConfigError
 from tandem.entrypoints.engine_args import EngineArgs
 from tandem.entrypoints.openai.limits import API_KEY_ENV, ServerLimits
+from tandem.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -71,8 +72,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: folder name)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='tool_choice "auto": the model decides, --tool-call-parser reads its calls')
-    p.add_argument("--tool-call-parser", default=None, choices=("hermes", "llama3_json"),
-                   help="how the model writes tool calls: hermes (Qwen2.5/Qwen3), llama3_json (Llama 3.1+)")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="how the model writes tool calls: hermes (Qwen2.5/Qwen3), llama3_json (Llama 3.1+), "
+                        "deepseek_v3 (DeepSeek-V3/R1), glm45 (GLM-4.5 to 4.7)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file or string, instead of the model folder's own")
     d = ServerLimits()
@@ -306,7 +308,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from tandem.entrypoints.openai.tool_calls import ToolServing
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+        raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(sorted(TOOL_PARSERS))})")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port={args.port} is not allowed: 0 to 65535")
     limits = ServerLimits.with_env_key(args.api_key, max_n=args.max_n,

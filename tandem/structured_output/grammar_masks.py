@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 import torch
 
 from tandem.config import EngineConfig
 from tandem.engine.step_plan import StepPlan
+from tandem.structured_output.backend import Matcher
 from tandem.structured_output.compiler import grammar_compiler
 from tandem.worker.input_batch import InputBatch
 
@@ -33,18 +33,14 @@ logger = logging.getLogger("tandem")
 class GrammarMasks:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.matchers: dict[str, Any] = {}  # request id -> xgrammar GrammarMatcher
-        self._batch_matcher: Any = None
+        self.matchers: dict[str, Matcher] = {}  # request id -> its matcher (the configured backend's)
         self.mask_s = 0.0  # seconds spent filling and applying masks and advancing matchers, summed
 
     def admit(self, plan: StepPlan) -> None:
         """A matcher for each newly admitted constrained request (kept across preemption: its output stays)."""
         for row in plan.rows:
             if row.grammar is not None and row.request_id not in self.matchers:
-                import xgrammar as xgr
-
-                compiled = grammar_compiler(self.config).compile(row.grammar)
-                self.matchers[row.request_id] = xgr.GrammarMatcher(compiled)
+                self.matchers[row.request_id] = grammar_compiler(self.config).matcher(row.grammar)
 
     def maybe_mask(self, plan: StepPlan, batch: InputBatch, logits: torch.Tensor) -> torch.Tensor:
         """[sum_i (K_i + 1), V] logits -> the same rows with tokens the grammar forbids at -inf (a copy: the raw
@@ -57,6 +53,7 @@ class GrammarMasks:
             return logits
         import xgrammar as xgr
 
+        backend = grammar_compiler(self.config).backend
         bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[-1])  # [T, ceil(V / 32)] int32, all on
         drafts = batch.draft_token_ids.tolist()
         num_walked = [0] * len(rows)  # drafts each matcher took, to roll back
@@ -65,10 +62,7 @@ class GrammarMasks:
         depth = 0
         while walking:
             targets = [rows[n][1] + depth for n in walking]
-            if len(walking) == 1:  # one row: the batched fill's thread hand-off costs more than it saves
-                rows[walking[0]][0].fill_next_token_bitmask(bitmask, targets[0])
-            else:
-                self._batch().batch_fill_next_token_bitmask([rows[n][0] for n in walking], bitmask, targets)
+            backend.fill([rows[n][0] for n in walking], bitmask, targets)
             indices += targets
             still = []
             for n in walking:  # the walk goes on past draft `depth` only while the grammar takes it
@@ -82,7 +76,8 @@ class GrammarMasks:
             if n:
                 matcher.rollback(n)
         masked = logits.clone()
-        # rows left out are all-allowed anyway; xgrammar's CPU kernel is ~8x faster at batch 1 without indices
+        # both backends write one bitmask layout (backend.py), so xgrammar's CPU kernel applies either; rows left out
+        # are all-allowed anyway, and the kernel is ~8x faster at batch 1 without indices
         every_row = len(indices) == logits.shape[0]
         xgr.apply_token_bitmask_inplace(masked, bitmask.to(logits.device), indices=None if every_row else indices)
         self.mask_s += time.perf_counter() - start
@@ -110,7 +105,7 @@ class GrammarMasks:
         for request_id in request_ids:
             self.matchers.pop(request_id, None)
 
-    def _constrained(self, plan: StepPlan, batch: InputBatch) -> list[tuple[Any, int, int, int]]:
+    def _constrained(self, plan: StepPlan, batch: InputBatch) -> list[tuple[Matcher, int, int, int]]:
         """(matcher, first logits row, first draft index, K) of each constrained sampling row."""
         out = []
         first_row = draft_start = 0
@@ -120,10 +115,3 @@ class GrammarMasks:
                 out.append((matcher, first_row, draft_start, k))
             first_row, draft_start = first_row + k + 1, draft_start + k
         return out
-
-    def _batch(self) -> Any:
-        if self._batch_matcher is None:
-            import xgrammar as xgr
-
-            self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=2)
-        return self._batch_matcher

@@ -147,12 +147,7 @@ async def respond(engine: AsyncEngine, params: SamplingParams, prompts: list[str
                 "choices": [choice]}
         return f"data: {json.dumps(body)}\n\n"
 
-    def tool_chunk(index: int, text: str, finish: str | None) -> str:
-        assert tools is not None
-        message, finish = tools.message(text, finish)
-        delta = {k: v for k, v in message.items() if k != "role" and v is not None}
-        if "tool_calls" in delta:
-            delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(delta["tool_calls"])]
+    def tool_chunk(index: int, delta: dict[str, Any], finish: str | None) -> str:
         body = {"id": rid, "object": f"{kind}.chunk", "created": created, "model": model,
                 "choices": [{"index": index, "delta": delta, "finish_reason": finish}]}
         return f"data: {json.dumps(body)}\n\n"
@@ -185,6 +180,7 @@ async def respond(engine: AsyncEngine, params: SamplingParams, prompts: list[str
         num_choices = len(prompts) * n
         texts = [TextStream(engine.tokenizer, params) for _ in range(num_choices)]
         logprobs = [_Logprobs(engine, chat, params.logprobs or 0) for _ in range(num_choices)]
+        calls = [tools.stream() for _ in range(num_choices)] if tools is not None else []
         for index in range(num_choices):
             if chat:
                 yield chunk(index, None, None, role=True)
@@ -200,15 +196,17 @@ async def respond(engine: AsyncEngine, params: SamplingParams, prompts: list[str
                 finals.append(delta.final)
                 for out in delta.final.outputs:
                     index = i * n + out.index
-                    if tools is not None:
-                        yield tool_chunk(index, out.text, out.finish_reason)
+                    if calls:
+                        yield tool_chunk(index, *calls[index].finish(out.text, out.finish_reason))
                     else:
                         yield chunk(index, texts[index].finish(out.text), out.finish_reason)
                 continue
-            if tools is not None:
-                continue  # held back: the whole message goes in the last chunk
             index = i * n + delta.index
             new = texts[index].push(delta.token_ids)
+            if calls:
+                if new and (settled := calls[index].push(new)) is not None:
+                    yield tool_chunk(index, settled, None)
+                continue
             entries = logprobs[index].entries(delta.token_ids, delta.logprobs) \
                 if delta.logprobs is not None and params.logprobs is not None else None
             if new or entries is not None:

@@ -9,13 +9,12 @@ grammar that forces them, and the assistant message made of the output.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from tandem.entrypoints.openai.serving import BadRequest
-from tandem.entrypoints.openai.tool_parsers import TOOL_PARSERS, Parsed, ToolCall
+from tandem.entrypoints.openai.tool_parsers import TOOL_PARSERS, NamedParser, Parsed, RequiredParser, ToolParser
+from tandem.entrypoints.openai.tool_stream import ToolStream
 from tandem.structured_output.params import GrammarError, StructuredOutputsParams
 
 
@@ -31,7 +30,7 @@ class ToolServing:
 class ToolRequest:
     tools: list[dict[str, Any]]  # as the chat template takes them
     mode: str  # "auto" | "required" | "named"
-    parser: Callable[[str], Parsed] | None = None
+    parser: ToolParser  # reads the calls out of the output (the forced modes' own, or --tool-call-parser's)
     name: str | None = None  # the named function
 
     def constraint(self) -> StructuredOutputsParams | None:
@@ -53,16 +52,11 @@ class ToolRequest:
             raise BadRequest(f"tools: {e}") from None
 
     def parse(self, text: str) -> Parsed:
-        if self.mode == "named":
-            return (None, [ToolCall(str(self.name), text)]) if _is_json(text) else (text, [])
-        if self.mode == "required":
-            try:
-                calls = json.loads(text)
-                return None, [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
-            except (json.JSONDecodeError, TypeError, KeyError):
-                return text, []  # cut by max_tokens: the text as written
-        assert self.parser is not None
-        return self.parser(text)
+        return self.parser.parse(text)
+
+    def stream(self) -> ToolStream:
+        """The incremental reader of one streamed choice."""
+        return ToolStream(self.parser)
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         """The assistant message of an output and its finish reason ("tool_calls" when it calls)."""
@@ -90,9 +84,9 @@ def tool_request(tools: Any, tool_choice: Any, serving: ToolServing) -> ToolRequ
             raise BadRequest('tool_choice="auto" (the default with tools) needs the server started with '
                              "--enable-auto-tool-choice and --tool-call-parser; or send tool_choice "
                              '"required", "none" or a named function')
-        return ToolRequest(tools, "auto", parser)
+        return ToolRequest(tools, "auto", parser(tools))
     if choice == "required":
-        return ToolRequest(tools, "required")
+        return ToolRequest(tools, "required", RequiredParser(tools))
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) and \
         choice.get("type") == "function" and isinstance(choice.get("function"), dict) else None
     if name is None:
@@ -100,7 +94,7 @@ def tool_request(tools: Any, tool_choice: Any, serving: ToolServing) -> ToolRequ
                          '{"type": "function", "function": {"name": ...}}')
     if name not in names:
         raise BadRequest(f"tool_choice names function {name!r}, which is not in tools ({', '.join(names)})")
-    return ToolRequest(tools, "named", name=name)
+    return ToolRequest(tools, "named", NamedParser(tools, name), name)
 
 
 def _check_tools(tools: Any) -> None:
@@ -114,14 +108,6 @@ def _check_tools(tools: Any) -> None:
                              '{"type": "function", "function": {"name": ..., "parameters": {...}}}')
         if not isinstance(function.get("parameters", {}), dict):
             raise BadRequest(f"tools[{i}].function.parameters is invalid: a JSON schema object")
-
-
-def _is_json(text: str) -> bool:
-    try:
-        json.loads(text)
-        return True
-    except json.JSONDecodeError:
-        return False
 
 
 def _short(value: Any) -> str:

@@ -89,10 +89,12 @@ def time_tpot(engine_args: EngineArgs, config: dict[str, Any], context: int, bat
     args = replace(engine_args, max_model_len=total_len, max_num_seqs=batch, kv_cache_memory_bytes=kv_bytes)
     walls: dict[int, float] = {}
     llm = LLM(**vars(args))
+    planted = hits = 0
     try:
         for r in range(bench.repeats):  # fresh prompts each repeat: no request hits another's decoded blocks
             prompts = [random_token_ids(config["vocab_size"], context, 1000 * r + b) for b in range(batch)]
             plant_prefix(llm.engine, prompts, layout)
+            planted += 2 * batch * ((context - 1) // args.block_size) * args.block_size  # both generates hit them
             for n in (1, 1 + bench.max_tokens):
                 params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
                 start = time.perf_counter()
@@ -102,10 +104,18 @@ def time_tpot(engine_args: EngineArgs, config: dict[str, Any], context: int, bat
                 if lengths != {n}:
                     raise RuntimeError(f"context {context}, batch {batch}: expected {n} tokens a request, got "
                                        f"{sorted(lengths)}")
+        hits = int(_metric(llm, "tandem:prefix_cache_hits"))
     finally:
         llm.shutdown()
-    return {"input_len": context, "batch_size": batch, "layout": layout, "ttft_s": walls[1],
+    if hits < planted:  # else the timed runs prefilled the contexts and the TPOT is not a decode's
+        raise RuntimeError(f"context {context}, batch {batch}: {hits} prompt tokens came from the prefix cache, "
+                           f"{planted} were planted")
+    return {"input_len": context, "batch_size": batch, "layout": layout, "ttft_s": walls[1], "cached_tokens": hits,
             "tpot_ms": (walls[1 + bench.max_tokens] - walls[1]) / bench.max_tokens * 1e3}
+
+
+def _metric(llm: Any, name: str) -> float:
+    return next(m.value for m in llm.get_metrics() if m.name == name)
 
 
 def _compute_dtype(engine_args: EngineArgs, config: dict[str, Any]) -> torch.dtype:

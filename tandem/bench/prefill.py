@@ -208,7 +208,7 @@ def _row(run: PrefillRun, runs: list[PrefillRun], config: dict[str, Any], budget
         speedup = base.wall_s / run.wall_s
         row |= {"speedup": speedup, "efficiency": speedup / run.pcp_size,
                 "same_first_token": run.first_token == base.first_token}
-        if run.rank_cpu_s:
+        if run.rank_cpu_s and max(run.rank_cpu_s) > 0:  # /proc counts in clock ticks: a short run may read 0
             row["cpu_speedup"] = max(base.rank_cpu_s) / max(run.rank_cpu_s)
     if hf is not None and run.system == "tandem":
         row["vs_hf"] = hf.wall_s / run.wall_s

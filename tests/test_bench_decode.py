@@ -17,8 +17,8 @@ from tandem.entrypoints import cli
 def test_tpot_rows_per_layout_batch_and_context(tiny_checkpoints, tmp_path, capsys):
     out = tmp_path / "decode.json"
     rc = cli.main(["bench", "decode", str(tiny_checkpoints("llama")), "--dtype", "float32", "--input-len", "100",
-                   "40", "--batch-sizes", "2", "1", "--layout", "contiguous", "interleaved", "--max-tokens", "3",
-                   "--repeats", "1", "--output-json", str(out)])
+                   "40", "--batch-sizes", "2", "1", "--layout", "contiguous", "interleaved", "--max-tokens", "8",
+                   "--repeats", "2", "--output-json", str(out)])
     printed = capsys.readouterr().out
     assert rc == 0, printed
     rows = json.loads(out.read_text())["results"]

@@ -6,9 +6,9 @@ tandem/attention/sharded_kv.py); and the longest context a fixed per-rank KV bud
     .venv/bin/python benchmarks/kv_layout.py --capacity                       # max context per layout and P
     .venv/bin/python benchmarks/kv_layout.py --capacity --per-rank-tokens 512 --kv-cache-dtypes auto bfloat16 fp8
 
-Model: the DeepSeek-V3-shaped checkpoint of benchmarks/long_prefill.py (MLA, kv_lora 512, rope 64, 16 heads, 2
-layers), float32, 2 ranks x 1 thread, 2,048-token chunks. TTFT: one fresh prompt of the context's length.
-TPOT: the context planted in the prefix cache (benchmarks/long_decode.py: decode cost does not depend on what
+Model: the DeepSeek-V3-shaped checkpoint of `tandem bench prefill --random-model dsv3` (MLA, kv_lora 512, rope 64,
+16 heads, 2 layers), float32, 2 ranks x 1 thread, 2,048-token chunks. TTFT: one fresh prompt of the context's length.
+TPOT: the context planted in the prefix cache (`tandem bench decode`: decode cost does not depend on what
 the cached keys hold), then (wall of 1 + N tokens - wall of 1 token) / N, best of `--repeats`. Capacity: the
 bundled model with a per-rank KV budget of C float32 tokens' bytes, per kv_cache_dtype (docs/kv_cache_dtype.md);
 the longest prompt that runs (prompt + 4 generated tokens), and one token more refused.
@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from long_decode import plant_prefix  # noqa: E402
-from long_prefill import model_folder  # noqa: E402
+from tandem.bench.decode import plant_prefix
+from tandem.bench.random_model import random_model_folder
 
 PCP = 2
 CHUNK = 2048
@@ -174,7 +172,7 @@ def main() -> None:
             print(f"| {r['kv_cache_dtype']} | {r['kv_bytes']:,} | {r['pcp']} | {r['layout']} | "
                   f"{r['per_rank_tokens']} | {r['max_prompt'] or '-'} | {r['note']} |")
     else:
-        folder = model_folder("dsv3", 32768)
+        folder = random_model_folder("dsv3", Path(".cache"))
         rows = []
         for context in a.contexts:
             for layout in a.layouts:

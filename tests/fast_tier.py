@@ -6,6 +6,8 @@ EAGLE-3 under PCP. A new test file of a few seconds belongs in FAST_FILES."""
 
 FAST_FILES = (
     "tests/test_bad_input.py",
+    "tests/test_bench_decode.py",
+    "tests/test_bench_profile.py",
     "tests/test_bench_spec.py",
     "tests/test_bf16_parity.py",
     "tests/test_block_manager.py",
@@ -56,6 +58,8 @@ FAST_TESTS = (
     "tests/test_bench.py::test_prefix_cache_off_when_timed_prompts_repeat",
     "tests/test_bench.py::test_serve_against_a_server_that_is_down_exits_1_naming_it",
     "tests/test_bench.py::test_serve_with_random_prompts_of_a_given_length",
+    "tests/test_bench_prefill.py::test_bad_flag_exits_2_naming_it",
+    "tests/test_bench_prefill.py::test_first_token_mismatch_is_reported",
     "tests/test_bundled_model.py::test_bundle_is_small_bf16_and_complete",
     "tests/test_bundled_model.py::test_chat_template_renders_the_trained_layout",
     "tests/test_cascade_attention.py::test_a_shared_expanded_prefix_tips_long_rows_to_the_expanded_form",

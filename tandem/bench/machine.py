@@ -1,11 +1,12 @@
 """The machine a benchmark ran on, for its report: CPU model and vector ISA, cores, torch version and threads, load,
-date."""
+date; and the float32 GEMM and memory-stream rates that benchmarks set their figures against."""
 
 from __future__ import annotations
 
 import datetime
 import os
 import re
+import time
 from pathlib import Path
 
 import torch
@@ -46,3 +47,33 @@ def describe(info: dict[str, object]) -> str:
     isa = " ".join(info["isa"]) if isinstance(info.get("isa"), list) else ""  # type: ignore[arg-type]
     return (f"{info['cpu']}, {info['num_cores']} cores, torch {info['torch']} ({info['torch_threads']} threads), "
             f"{info['date']}, 1-min load {info['load_avg_1m_at_start']:.2f}\nISA: {isa or 'unknown'}")
+
+
+GEMM_N = 2048  # a [N x N] @ [N x N] float32 product: large enough to reach the cores' GEMM rate
+
+
+def gemm_flops_per_s(repeats: int = 3) -> float:
+    """FLOP/s of a float32 [2048 x 2048] @ [2048 x 2048] product on the current torch threads, best of `repeats`."""
+    a, b = torch.randn(GEMM_N, GEMM_N), torch.randn(GEMM_N, GEMM_N)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * GEMM_N**3 / best
+
+
+def stream_bytes_per_s(repeats: int = 3) -> float:
+    """Bytes/s of reading a 256 MiB float32 tensor once (a sum), best of `repeats`: what a weight read can reach."""
+    x = torch.randn(64 << 20)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best
+
+
+def load_line(info: dict[str, object]) -> str:
+    """The 1-minute load at start and end: whether other processes shared the cores during the run."""
+    return f"1-min load: {info['load_avg_1m_at_start']:.2f} at start, {info['load_avg_1m_at_end']:.2f} at the end"

@@ -1,4 +1,5 @@
-"""`tandem` command line: generate, serve, bench (offline, serve, spec), eval gsm8k, convert-gguf, train draft-head."""
+"""`tandem` command line: generate, serve, bench (offline, serve, spec, prefill, decode, profile), eval gsm8k,
+convert-gguf, train draft-head."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 from pathlib import Path
 
 from tandem.config import ConfigError
+from tandem.entrypoints import bench_cli
 from tandem.entrypoints.engine_args import EngineArgs
 from tandem.entrypoints.openai.limits import API_KEY_ENV, ServerLimits
 from tandem.entrypoints.openai.tool_parsers import TOOL_PARSERS
@@ -89,7 +91,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmark tandem in-process (offline) or a server (serve)")
+    p = sub.add_parser("bench", help="benchmark tandem in-process (offline, spec, prefill, decode, profile) or a "
+                       "server (serve)")
     kind = p.add_subparsers(dest="bench", required=True)
     s = kind.add_parser("serve", help="streamed load on an OpenAI-compatible server (and a peer: --vs URL or hf)")
     s.add_argument("--url", required=True, help="base URL of the server, e.g. http://127.0.0.1:8000")
@@ -132,6 +135,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--output-json", default=None)
     EngineArgs.add_cli_args(o)
     _bench_spec_parser(kind)
+    bench_cli.add_parsers(kind)
 
 
 def _bench_spec_parser(kind: argparse._SubParsersAction) -> None:
@@ -197,7 +201,10 @@ def run_train(args: argparse.Namespace) -> int:
 def run_bench(args: argparse.Namespace) -> int:
     positive = {"serve": ("num_prompts", "max_tokens", "hf_startup_timeout", "input_len"),
                 "offline": ("num_prompts", "max_tokens", "repeats", "input_len", "hf_batch_size"),
-                "spec": ("num_prompts", "max_tokens", "repeats")}[args.bench]
+                "spec": ("num_prompts", "max_tokens", "repeats"),
+                "prefill": ("repeats", "threads_per_rank"),
+                "decode": ("max_tokens", "repeats", "threads_per_rank"),
+                "profile": ("max_tokens",)}[args.bench]
     for name in positive:
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -219,6 +226,8 @@ def run_bench(args: argparse.Namespace) -> int:
         except PlotUnavailable as e:
             print(f"tandem bench {args.bench}: {e}", file=sys.stderr)
             return 2
+    if args.bench in bench_cli.RUNNERS:
+        return bench_cli.RUNNERS[args.bench](args)
     if args.bench == "spec":
         return _bench_spec(args)
     return _bench_offline(args) if args.bench == "offline" else _bench_serve(args)

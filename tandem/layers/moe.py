@@ -44,8 +44,7 @@ def _float32_param(shape: tuple[int, ...]) -> nn.Parameter:
 # Dense experts (every local expert over every token): while the local experts are at most this many times
 # the choices per token, and the step's token x expert products at most this many (FusedMoE._dense_pays).
 DENSE_MAX_WASTE = 4
-# float32 CPU experts through the native kernel (tandem/native: the chosen pairs only) where it serves; the A/B
-# benchmark (benchmarks/fast_paths.py --path native-moe) switches it off
+# float32 CPU experts through the native kernel (tandem/native: the chosen pairs only) where it serves
 NATIVE_EXPERTS = True
 # ... for up to this many (token, choice) pairs per local expert: past it a prefill's experts are big GEMMs, which
 # MKL blocks better than the kernel's weight-streaming (8 experts, top-2, hidden 256: 256 tokens 1.5 vs 2.4 ms looped,
@@ -220,7 +219,7 @@ class FusedMoE(nn.Module):
         top-2, hidden 256, one thread, weights hot): 4 tokens 470 us vs 1,217 gathered, 8 tokens 432 vs 1,045
         looped, 32 tokens 1,215 vs 1,693 looped; at 64 tokens the loop catches up. One token's 2 choices stay
         gathered: hot, dense is faster (285 vs 446 us), but inside the engine the weights are cold and dense reads
-        all 8 experts' weights for 2, which measured 0.86-1.06x in-process A/Bs (benchmarks/fast_paths.py); so
+        all 8 experts' weights for 2, which measured 0.86-1.06x in in-process A/Bs; so
         dense needs the routed pairs to be at least half the local experts."""
         e = self.num_local_experts
         return (e <= DENSE_MAX_WASTE * top_k and 2 * num_tokens * top_k >= e

@@ -53,7 +53,7 @@ STALE_BUILD_LOCK_S = 600.0
 # Model dtypes the kernel serves. float32 always; bfloat16 for models without latent (MLA) attention. The kernel
 # keeps bf16 scores and probabilities in float32 where Hugging Face's bf16 attention rounds them to bf16; on the tiny
 # random GQA checkpoints (llama, qwen3, glm4_moe) the greedy tokens stay within tests/test_bf16_parity.py's tie rule,
-# and SmolLM2-135M's bf16 decode gains 1.17x (32 rows, benchmarks/fast_paths.py --path native-kernels). On the
+# and SmolLM2-135M's bf16 decode gains 1.17x (32 rows, an in-process A/B). On the
 # tiny deepseek_v3 (MLA) checkpoint the difference flips a router's top-k and the tokens part far from HF's (a gap of
 # 0.43 at the first difference, the rule's tie is 0.03), so bf16 MLA keeps the PyTorch path, whose absorbed-MLA
 # matmuls round as HF's do. The small-row GEMM serves float32 only (its callers check); the elementwise kernels serve

@@ -5,7 +5,7 @@ Short rows (decodes, verification rows) on the CPU read their keys in place: a r
 allocated back to back, so its keys are a few contiguous slot runs, each a view of the cache that the score and
 value matmuls read directly (RowKeys). Copying every row's whole prefix out of the cache per layer per step
 (a padded gather, the fallback off the CPU and at short contexts) costs as much as the attention itself at a
-few thousand keys and several times more at 32k (benchmarks/long_decode.py). Long rows gather their keys
+few thousand keys and several times more at 32k (`tandem bench decode`). Long rows gather their keys
 once per layer and attend them as prefix + causal diagonal (tandem/attention/causal_rows.py).
 
 Cascade attention: when the short rows share their first blocks (a prefix-cache hit, metadata.SharedPrefix), every

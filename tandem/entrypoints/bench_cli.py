@@ -1,0 +1,145 @@
+"""`tandem bench prefill | decode | profile`: their flags and dispatch (the work is in tandem/bench/<subcommand>.py).
+Numbers common to every bench subcommand (--repeats, --max-tokens, ...) are range-checked by cli.run_bench; the
+lists these take are checked here."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from tandem.bench.decode import LAYOUTS
+from tandem.bench.random_model import RANDOM_MODELS
+from tandem.entrypoints.engine_args import EngineArgs
+
+RANDOM_MODEL_DIR = Path(".cache")  # where --random-model builds its checkpoint, as `make setup` keeps models
+
+
+def add_parsers(kind: argparse._SubParsersAction) -> None:
+    _prefill_parser(kind)
+    _decode_parser(kind)
+    _profile_parser(kind)
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, help="local model folder (default: the bundled model)")
+    p.add_argument("--random-model", choices=RANDOM_MODELS, default=None,
+                   help="instead of MODEL, a random checkpoint at DeepSeek-V3's layer widths (2 dense MLA layers, "
+                        "hidden 1024, 16 heads, kv_lora_rank 512), built under .cache/ on first use")
+
+
+def _prefill_parser(kind: argparse._SubParsersAction) -> None:
+    p = kind.add_parser("prefill", help="TTFT of one long prompt per length at PCP=1 vs PCP=P (and HF's forward: "
+                        "--vs hf)")
+    _model_args(p)
+    p.add_argument("--input-len", type=int, nargs="+", default=[2048], metavar="L",
+                   help="prompt lengths in tokens (random ids, seeded by --seed), timed shortest first")
+    p.add_argument("--pcp-sizes", type=int, nargs="+", default=[1, 2], metavar="P",
+                   help="PCP sizes, one engine each; speedups are over PCP=1")
+    p.add_argument("--threads-per-rank", type=int, default=1, help="torch threads of each rank (and of HF)")
+    p.add_argument("--repeats", type=int, default=2, help="timed prefills per length and size; the best is reported")
+    p.add_argument("--vs", choices=["hf"], default=None,
+                   help="also time Hugging Face's forward of each prompt, in a spawned process")
+    p.add_argument("--output-json", default=None)
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="draw TTFT and speedup against prompt length (needs the `plot` extra)")
+    EngineArgs.add_cli_args(p)
+
+
+def _decode_parser(kind: argparse._SubParsersAction) -> None:
+    p = kind.add_parser("decode", help="TPOT at long contexts (planted in the prefix cache) per batch size")
+    _model_args(p)
+    p.add_argument("--input-len", type=int, nargs="+", default=[1024, 2048], metavar="L",
+                   help="context lengths in tokens, planted in the prefix cache")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8], metavar="B")
+    p.add_argument("--layout", choices=LAYOUTS, nargs="+", default=["contiguous"],
+                   help="how the planted contexts' blocks lie in the KV pool: back to back, or alternating")
+    p.add_argument("--max-tokens", type=int, default=16, help="decode tokens timed per request beyond the first")
+    p.add_argument("--threads-per-rank", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=2, help="timed runs per point; the best is reported")
+    p.add_argument("--output-json", default=None)
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="draw TPOT and TPOT / bound against context length (needs the `plot` extra)")
+    EngineArgs.add_cli_args(p)
+
+
+def _profile_parser(kind: argparse._SubParsersAction) -> None:
+    p = kind.add_parser("profile", help="where a step's wall time goes (forward, metadata, scheduling, sampling, "
+                        "drafting, output processing) per batch size")
+    p.add_argument("model", nargs="?", default=None, help="local model folder (default: the bundled model)")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32], metavar="B",
+                   help="each runs the first B GSM8K questions as one generate call, on a fresh engine")
+    p.add_argument("--max-tokens", type=int, default=64, help="output tokens per prompt, exactly (EOS does not stop)")
+    p.add_argument("--output-json", default=None)
+    EngineArgs.add_cli_args(p)
+
+
+def _positive_list(flag: str, values: list[int]) -> list[int]:
+    """The values sorted and deduplicated, once all are at least 1."""
+    if min(values) < 1:
+        raise ValueError(f"{flag} {' '.join(map(str, values))} is not allowed: integers of at least 1")
+    return sorted(set(values))
+
+
+def _resolve_model(args: argparse.Namespace) -> None:
+    if args.random_model is None:
+        return
+    if args.model is not None:
+        raise ValueError(f"--random-model {args.random_model} is not allowed with MODEL {args.model}: give one")
+    from tandem.bench.random_model import random_model_folder
+
+    args.model = str(random_model_folder(args.random_model, RANDOM_MODEL_DIR))
+
+
+def run_prefill(args: argparse.Namespace) -> int:
+    from tandem.bench import offline, prefill
+
+    if args.prefill_context_parallel_size != 1:
+        raise ValueError("-pcp is not allowed here: --pcp-sizes gives the PCP sizes to compare")
+    bench = prefill.PrefillBench(_positive_list("--input-len", args.input_len),
+                                 _positive_list("--pcp-sizes", args.pcp_sizes), args.repeats, args.threads_per_rank,
+                                 args.vs)
+    _resolve_model(args)
+    result = prefill.run_prefill(EngineArgs.from_cli_args(args), bench)
+    print(prefill.report(result))
+    if args.output_json:
+        Path(args.output_json).write_text(offline.results_json(result) + "\n")
+    if args.plot:
+        print(f"plot: {prefill.plot(result, args.plot)}")
+    mismatched = prefill.mismatched_first_tokens(result)
+    if mismatched:
+        print(f"tandem bench prefill: the first token differs from PCP=1's at {', '.join(mismatched)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_decode(args: argparse.Namespace) -> int:
+    from tandem.bench import decode, offline
+
+    bench = decode.DecodeBench(_positive_list("--input-len", args.input_len),
+                               _positive_list("--batch-sizes", args.batch_sizes), list(dict.fromkeys(args.layout)),
+                               args.max_tokens, args.repeats, args.threads_per_rank)
+    _resolve_model(args)
+    result = decode.run_decode(EngineArgs.from_cli_args(args), bench)
+    print(decode.report(result))
+    if args.output_json:
+        Path(args.output_json).write_text(offline.results_json(result) + "\n")
+    if args.plot:
+        print(f"plot: {decode.plot(result, args.plot)}")
+    return 0
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    from tandem.bench import offline, profile
+
+    if args.tensor_parallel_size != 1 or args.prefill_context_parallel_size != 1:
+        raise ValueError("-tp and -pcp are not allowed here: the profile times one rank in this process")
+    batch_sizes = _positive_list("--batch-sizes", args.batch_sizes)
+    result = profile.run_profile(EngineArgs.from_cli_args(args), batch_sizes, args.max_tokens)
+    print(profile.report(result))
+    if args.output_json:
+        Path(args.output_json).write_text(offline.results_json(result) + "\n")
+    return 0
+
+
+RUNNERS = {"prefill": run_prefill, "decode": run_decode, "profile": run_profile}

@@ -12,11 +12,6 @@ drafts 1..j. Worked example, drafts [a, b] (rows r0 r1 r2):
 A draft the grammar refuses ends the walk: it is masked out of its own row, so verification rejects it and the
 rows after it are never read (they stay unconstrained). After verification the matcher takes the emitted tokens
 (the accepted drafts and the one sampled token), so a rejected draft leaves no trace.
-
-A greedy row whose unconstrained argmax the grammar takes needs no mask: the masked argmax is that token (masking
-only lowers other tokens), so it is checked with one accept-and-roll-back instead of a mask fill and apply. Most
-rows of a model that follows its schema are such rows; at batch 32 the fill and the apply cost ~4 and ~3 ms a step
-on 2 cores, the check ~20 us a row.
 """
 
 from __future__ import annotations
@@ -26,7 +21,6 @@ import time
 
 import torch
 
-from tandem import native
 from tandem.config import EngineConfig
 from tandem.engine.step_plan import StepPlan
 from tandem.structured_output.backend import Matcher
@@ -62,23 +56,17 @@ class GrammarMasks:
         backend = grammar_compiler(self.config).backend
         bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[-1])  # [T, ceil(V / 32)] int32, all on
         drafts = batch.draft_token_ids.tolist()
-        assert batch.sampling is not None
-        greedy_rows = (batch.sampling.temperature <= 0).tolist()  # per sampling row
-        top = native.greedy_tokens(logits).tolist() if any(greedy_rows) else []  # [T] unconstrained argmax
         num_walked = [0] * len(rows)  # drafts each matcher took, to roll back
         walking = [n for n, (m, *_) in enumerate(rows) if not m.is_terminated()]
         indices: list[int] = []
         depth = 0
         while walking:
-            fill = [n for n in walking
-                    if not (greedy_rows[rows[n][4]] and self._takes(rows[n][0], top[rows[n][1] + depth]))]
-            targets = [rows[n][1] + depth for n in fill]
-            if fill:
-                backend.fill([rows[n][0] for n in fill], bitmask, targets)
+            targets = [rows[n][1] + depth for n in walking]
+            backend.fill([rows[n][0] for n in walking], bitmask, targets)
             indices += targets
             still = []
             for n in walking:  # the walk goes on past draft `depth` only while the grammar takes it
-                matcher, _, draft_start, k, _ = rows[n]
+                matcher, _, draft_start, k = rows[n]
                 if depth < k and matcher.accept_token(drafts[draft_start + depth]):
                     num_walked[n] += 1
                     if not matcher.is_terminated():
@@ -87,9 +75,6 @@ class GrammarMasks:
         for (matcher, *_), n in zip(rows, num_walked, strict=True):
             if n:
                 matcher.rollback(n)
-        if not indices:
-            self.mask_s += time.perf_counter() - start
-            return logits
         masked = logits.clone()
         # both backends write one bitmask layout (backend.py), so xgrammar's CPU kernel applies either; rows left out
         # are all-allowed anyway, and the kernel is ~8x faster at batch 1 without indices
@@ -120,21 +105,13 @@ class GrammarMasks:
         for request_id in request_ids:
             self.matchers.pop(request_id, None)
 
-    @staticmethod
-    def _takes(matcher: Matcher, token: int) -> bool:
-        """Whether the grammar allows `token` next (tried and rolled back)."""
-        if not matcher.accept_token(token):
-            return False
-        matcher.rollback(1)
-        return True
-
-    def _constrained(self, plan: StepPlan, batch: InputBatch) -> list[tuple[Matcher, int, int, int, int]]:
-        """(matcher, first logits row, first draft index, K, sampling row) of each constrained sampling row."""
+    def _constrained(self, plan: StepPlan, batch: InputBatch) -> list[tuple[Matcher, int, int, int]]:
+        """(matcher, first logits row, first draft index, K) of each constrained sampling row."""
         out = []
         first_row = draft_start = 0
-        for j, (i, k) in enumerate(zip(batch.sample_rows, batch.num_draft_tokens, strict=True)):
+        for i, k in zip(batch.sample_rows, batch.num_draft_tokens, strict=True):
             matcher = self.matchers.get(plan.rows[i].request_id)
             if matcher is not None:
-                out.append((matcher, first_row, draft_start, k, j))
+                out.append((matcher, first_row, draft_start, k))
             first_row, draft_start = first_row + k + 1, draft_start + k
         return out

@@ -211,3 +211,30 @@ def test_pcp2_dspark_matches_single_rank(pair):
         assert got == ref, f"PCP=2 prompt {i} (len {len(prompts[i])}) gave {got}, PCP=1 {ref}"
     key = "tandem:spec_decode_num_accepted_tokens"
     assert m2[key] == m1[key], f"replicated drafter proposed differently: {m2[key]} vs {m1[key]} accepted"
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_greedy_dspark_under_a_grammar_equals_non_speculative(pair, backend):
+    """Structured output with DSpark's block drafts: each draft row is verified under the grammar's mask after the
+    drafts before it, so greedy tokens equal those without drafts and every finished output follows its schema."""
+    import jsonschema
+    from json_schemas import random_schema
+
+    from tandem import StructuredOutputsParams
+
+    target, drafter = pair("deepseek_v3")
+    schemas = [random_schema(400 + i) for i in range(4)]
+    params = [SamplingParams(temperature=0, max_tokens=200, structured_outputs=StructuredOutputsParams(json=s))
+              for s in schemas]
+    grammar = {"structured_outputs_config": {"backend": backend, "disable_any_whitespace": True}}
+    prompts = _prompts()[:4]
+    plain, want = _generate(target, prompts, params, **grammar)
+    plain.shutdown()
+    llm, got = _generate(target, prompts, params, speculative_config=_dspark(drafter, BLOCK), **grammar)
+    metrics = _metrics(llm)
+    llm.shutdown()
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert metrics["tandem:spec_decode_num_draft_tokens"] > 0
+    for out, schema in zip(got, schemas, strict=True):
+        if out.outputs[0].finish_reason == "stop":
+            jsonschema.validate(json.loads(out.outputs[0].text, strict=False), schema)

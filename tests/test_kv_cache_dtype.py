@@ -150,6 +150,11 @@ def test_native_kernel_reads_a_narrow_cache(native_kernels, kv):
     block, hkv, hq, d = 4, 2, 4, 16
     k32 = to_cache(torch.randn(64, hkv, d, generator=gen) * 3, STORAGE[kv])
     v32 = to_cache(torch.randn(64, hkv, d, generator=gen), STORAGE[kv])
+    if STORAGE[kv] in (torch.float8_e4m3fn, torch.float8_e5m2):
+        # every finite code (subnormals, both signs, the largest) in the values, at shuffled places
+        codes = torch.arange(256, dtype=torch.uint8).repeat(8)[torch.randperm(2048, generator=gen)]
+        v32 = codes.view(STORAGE[kv]).view(64, hkv, d)
+        v32 = torch.where(v32.float().isfinite(), v32.float(), 0.0).to(STORAGE[kv])
     q = torch.randn(5, hq, d, generator=gen)
     table = torch.randperm(16, generator=gen).view(2, 8).to(torch.int32)
     rows = torch.tensor([[0, 0, 1, 30, 0], [1, 1, 4, 21, 0]], dtype=torch.int32)

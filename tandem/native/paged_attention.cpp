@@ -22,6 +22,10 @@
 #include <type_traits>
 #include <vector>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 #include "vec16.h"
 
 namespace {
@@ -70,7 +74,22 @@ template <typename F8>
 inline const float* fp8_as_float(const F8* src, float* buf, int64_t n) {
   const uint8_t* s = reinterpret_cast<const uint8_t*>(src);
   const float* table = fp8_values<F8>();
-  for (int64_t i = 0; i < n; ++i) buf[i] = table[s[i]];
+  int64_t i = 0;
+#ifdef __AVX512F__
+  // 16 codes at a time through float16 (the table's one-at-a-time loads cost fp8 ~1.25x bf16's decode at 32k keys):
+  // e5m2 is float16's upper byte; e4m3 moved into float16's exponent and mantissa fields is the value / 2^8
+  // (exponent bias 7 vs 15; subnormals included), so a shift, the hardware float16 -> float32 and one multiply
+  constexpr bool e5m2 = std::is_same_v<F8, c10::Float8_e5m2>;
+  const __m512 unbias = _mm512_set1_ps(e5m2 ? 1.0f : 256.0f);
+  for (; i + 16 <= n; i += 16) {
+    __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
+    __m256i h = e5m2 ? _mm256_slli_epi16(w, 8)
+                     : _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
+                                       _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7));
+    _mm512_storeu_ps(buf + i, _mm512_mul_ps(_mm512_cvtph_ps(h), unbias));
+  }
+#endif
+  for (; i < n; ++i) buf[i] = table[s[i]];
   return buf;
 }
 

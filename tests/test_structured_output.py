@@ -19,6 +19,7 @@ from tandem.structured_output.params import MAX_CHOICES, GrammarError
 
 BACKENDS = ("xgrammar", "llguidance")
 NUM_SCHEMAS = 12
+SUITE_SCHEMAS = 50  # must-show 1's suite
 
 
 def _engine(backend: str) -> dict:
@@ -262,8 +263,8 @@ def test_bundled_model_schema_suite_pcp2_mtp_k3_equals_no_spec():
     model writes blank lines until max_tokens."""
     from tandem.assets import DEFAULT_MODEL
 
-    schemas = [random_schema(300 + i) for i in range(NUM_SCHEMAS)]
-    prompts = [f"Write a JSON record number {i}." for i in range(NUM_SCHEMAS)]
+    schemas = [random_schema(i) for i in range(SUITE_SCHEMAS)]  # benchmarks/structured_output.py's 50 seeds
+    prompts = [f"Write a JSON record number {i}." for i in range(SUITE_SCHEMAS)]
     params = [_json(s, temperature=0) for s in schemas]
     outputs = []
     for kwargs in ({}, {"prefill_context_parallel_size": 2,
@@ -279,7 +280,7 @@ def test_bundled_model_schema_suite_pcp2_mtp_k3_equals_no_spec():
         assert out.token_ids == ref.token_ids, f"schema {i}: PCP=2 + MTP K=3 diverged from no-spec"
         if ref.finish_reason == "stop":
             jsonschema.validate(_parse(ref.text), schemas[i])
-    assert sum(o.finish_reason == "stop" for o in reference) >= NUM_SCHEMAS // 2, [o.text for o in reference]
+    assert sum(o.finish_reason == "stop" for o in reference) >= SUITE_SCHEMAS // 2, [o.text for o in reference]
 
 
 def test_backend_is_one_of_the_implemented(dsv3):

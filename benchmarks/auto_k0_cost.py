@@ -23,8 +23,8 @@ from spec_policy import interleaved_round
 from tandem import LLM, SamplingParams
 from tandem.assets import DEFAULT_DSPARK, DEFAULT_MODEL
 from tandem.data.gsm8k import SHARED_GSM8K
+from tandem.engine.spec_policy import SpecPolicy
 from tandem.eval.gsm8k import build_prompts, load_eval_data
-from tandem.spec_decode.policy import SpecPolicy
 
 AUTO = {"num_speculative_tokens": "auto", "max_num_speculative_tokens": 3}
 

@@ -51,8 +51,7 @@ import torch
 from tandem.assets import DEFAULT_DSPARK, DEFAULT_MODEL
 from tandem.bench.machine import machine_info
 from tandem.bench.prompts import random_token_ids
-from tandem.engine.step_plan import StepOutput, StepPlan
-from tandem.spec_decode.cost_model import (
+from tandem.engine.spec_cost_model import (
     DRAFT_MODES,
     draft_prefill_features,
     draft_prefill_terms_from_target,
@@ -60,6 +59,7 @@ from tandem.spec_decode.cost_model import (
     predict_draft_prefill_s,
 )
 from tandem.spec_decode.dspark_context import CONTEXT_KV_ENV
+from tandem.step_plan import StepOutput, StepPlan
 from tandem.worker.pcp import partition
 
 MTP = {"method": "mtp", "num_speculative_tokens": 1}

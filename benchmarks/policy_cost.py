@@ -24,9 +24,9 @@ from types import ModuleType
 
 from spec_policy import STOP_STRINGS, drafter_spec, gsm8k_prompts
 
-import tandem.spec_decode.acceptance as acceptance
-import tandem.spec_decode.cost_model as cost_model
-import tandem.spec_decode.policy as policy
+import tandem.engine.spec_acceptance as acceptance
+import tandem.engine.spec_cost_model as cost_model
+import tandem.engine.spec_policy as policy
 from tandem import LLM, SamplingParams
 from tandem.assets import DEFAULT_MODEL
 
@@ -85,9 +85,9 @@ def load_revision(rev: str, folder: Path) -> tuple[ModuleType, ModuleType]:
     def show(path: str) -> str:
         return subprocess.check_output(["git", "show", f"{rev}:{path}"], text=True)
 
-    old_costs = load("baseline_cost_model", show("tandem/spec_decode/cost_model.py"))
-    old_policy = load("baseline_policy", show("tandem/spec_decode/policy.py").replace(
-        "from tandem.spec_decode.cost_model import", "from baseline_cost_model import"))
+    old_costs = load("baseline_cost_model", show("tandem/engine/spec_cost_model.py"))
+    old_policy = load("baseline_policy", show("tandem/engine/spec_policy.py").replace(
+        "from tandem.engine.spec_cost_model import", "from baseline_cost_model import"))
     return old_costs, old_policy
 
 

@@ -1,4 +1,4 @@
-"""Does "auto" K pay? Output tokens/s of no-spec, every fixed K and "auto" (spec_decode/policy.py) at each point
+"""Does "auto" K pay? Output tokens/s of no-spec, every fixed K and "auto" (engine/spec_policy.py) at each point
 of a grid batch x prompts x drafter, in one run on one model; "auto" is compared with the best of {no-spec, each
 fixed K} and with no-spec (issue 15's aim: >= 0.97x both).
 
@@ -42,7 +42,7 @@ from tandem import LLM, SamplingParams
 from tandem.assets import DEFAULT_DSPARK, DEFAULT_MODEL
 from tandem.bench.machine import machine_info
 from tandem.data.gsm8k import STOP_STRINGS
-from tandem.spec_decode.policy import RunningRow, SpecPolicy
+from tandem.engine.spec_policy import RunningRow, SpecPolicy
 from tandem.tokenizer import Tokenizer
 
 

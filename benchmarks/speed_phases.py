@@ -7,7 +7,7 @@
 loop beside it, and prints each round's step times: on the 2-core dev machine both run in phases (a decode step
 ~5.4 ms for a few hundred steps, then ~7.8 ms; the loop 1.4 vs 2.9 ms) with nothing in the engine changing.
 
-`simulate`: the policy (spec_decode/policy.py) on tests/test_spec_policy.py's synthetic worlds, every step's
+`simulate`: the policy (engine/spec_policy.py) on tests/test_spec_policy.py's synthetic worlds, every step's
 seconds multiplied by a speed factor that flips between 1 and --slow after exponentially distributed phases of
 --phase-steps steps on average; prints the expected rate of the K it chose over its last 400 of 500 steps, as a
 share of the best fixed K's, for 6 seeds. --slow 1 is the phase-free baseline; --forgetting sets the cost fits'.
@@ -61,7 +61,7 @@ def machine(batch: int, rounds: int) -> None:
 def simulate(slow: float, phase_steps: int, forgetting: float) -> None:
     from test_spec_policy import K_MAX, Simulation, World
 
-    from tandem.spec_decode.policy import SpecPolicy
+    from tandem.engine.spec_policy import SpecPolicy
 
     @dataclass
     class PhaseWorld(World):

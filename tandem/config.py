@@ -14,8 +14,6 @@ from typing import Any
 
 import torch
 
-from tandem.attention.kv_dtype import KV_CACHE_DTYPES, kv_storage_dtype
-
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -27,6 +25,26 @@ _DTYPES: dict[str, torch.dtype] = {
 
 class ConfigError(ValueError):
     """A configuration value is not allowed; the message names the field, the value and the choices."""
+
+
+# kv_cache_dtype names and the cache tensor's dtype for each (tandem/attention/kv_dtype.py stores and reads them)
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+_STORAGE: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "fp8": torch.float8_e4m3fn,  # vLLM's "fp8"
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+def kv_storage_dtype(name: str, compute_dtype: torch.dtype) -> torch.dtype:
+    """The cache tensor's dtype for `kv_cache_dtype=name`: "auto" is the model's compute dtype."""
+    if name == "auto":
+        return compute_dtype
+    if name not in _STORAGE:
+        raise ValueError(f"kv_cache_dtype={name!r} is not allowed (--kv-cache-dtype): one of "
+                         f"{', '.join(KV_CACHE_DTYPES)}")
+    return _STORAGE[name]
 
 
 def _fail(field_name: str, value: Any, allowed: str) -> None:
@@ -140,7 +158,7 @@ class ParallelConfig:
 class SpeculativeConfig:
     method: str | None = None
     # K drafts per step, or "auto": a cost model picks K in 0..max_num_speculative_tokens each step
-    # (spec_decode/policy.py)
+    # (engine/spec_policy.py)
     num_speculative_tokens: int | str = 0
     # dynamic K: ((max running requests, K), ...) ascending, e.g. ((8, 3), (16, 2), (32, 1)); more
     # running requests than the last bound -> no drafts
@@ -168,7 +186,7 @@ class SpeculativeConfig:
 
     @property
     def auto(self) -> bool:
-        """K is chosen each step by the cost model (spec_decode/policy.py)."""
+        """K is chosen each step by the cost model (engine/spec_policy.py)."""
         return self.num_speculative_tokens == "auto"
 
     @property

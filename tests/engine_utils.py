@@ -9,7 +9,7 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.attention.forward_context import forward_context
-from tandem.engine.step_plan import RowSampling, ScheduledRow, StepPlan
+from tandem.step_plan import RowSampling, ScheduledRow, StepPlan
 from tandem.worker.input_batch import prepare_inputs
 
 GREEDY = RowSampling(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, num_logprobs=None)

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-import tandem.worker.model_runner as model_runner
+import tandem.runner.model_runner as model_runner
 from tandem import LLM
 from tandem.bench.profile import PARTS, StepTimer
 from tandem.entrypoints import cli

@@ -71,7 +71,7 @@ def test_replicated_draft_metadata_is_the_single_rank_metadata():
 
     from tandem.attention.backends.paged_mla import PagedMLABackend
     from tandem.distributed.groups import Group
-    from tandem.engine.step_plan import RowSampling, ScheduledRow, StepPlan
+    from tandem.step_plan import RowSampling, ScheduledRow, StepPlan
     from tandem.worker.input_batch import global_attention_metadata, prepare_inputs
     from tandem.worker.pcp_hooks import make_pcp_hooks
 

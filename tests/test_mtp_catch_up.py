@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from tandem.engine.step_plan import RowSampling, ScheduledRow, StepPlan
 from tandem.spec_decode.mtp_catch_up import MAX_DEFERRED_TOKENS, DeferredStep0, DeferredTokens
+from tandem.step_plan import RowSampling, ScheduledRow, StepPlan
 from tandem.worker.input_batch import prepare_inputs
 
 BLOCK = 4

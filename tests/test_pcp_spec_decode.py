@@ -77,8 +77,8 @@ def test_draft_bound_covers_a_request_that_accepted_everything():
     It accepts all three drafts and the bonus token, so step n+1 verifies at positions 40..43 and its draft
     decodes after a full acceptance sit at positions 44 and 45 (46 keys). The bound from step n+1's own batch
     covers them; the previous step's bound (40 + 3 = 43) does not, and the proposer refuses it loudly."""
-    from tandem.engine.step_plan import RowSampling, ScheduledRow, StepPlan
     from tandem.spec_decode.mtp_proposer import DraftDecodeMetadata, draft_max_seq_len
+    from tandem.step_plan import RowSampling, ScheduledRow, StepPlan
     from tandem.worker.input_batch import prepare_inputs
 
     k, block_size, max_model_len = 3, 16, 128

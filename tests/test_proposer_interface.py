@@ -11,9 +11,9 @@ import torch
 
 from tandem import LLM, SamplingParams
 from tandem.config import SpeculativeConfig
+from tandem.runner import model_runner
 from tandem.spec_decode.ngram_proposer import NgramProposer
 from tandem.spec_decode.proposer import Proposal, TargetStep
-from tandem.worker import model_runner
 
 
 class ScriptedProposer(NgramProposer):
@@ -92,7 +92,8 @@ def test_attention_worker_and_drafters_never_ask_which_metadata_or_proposer_they
     """Backends own their metadata and drafters are driven through the Proposer interface: nothing in attention/,
     worker/ or spec_decode/ dispatches with isinstance on metadata, batches, PCP hooks or proposers."""
     package = Path(model_runner.__file__).parents[1]
-    files = [f for folder in ("attention", "worker", "spec_decode") for f in sorted((package / folder).rglob("*.py"))]
+    files = [f for folder in ("attention", "worker", "runner", "spec_decode")
+             for f in sorted((package / folder).rglob("*.py"))]
     assert len(files) > 20
     for path in files:
         asked = {n for n in _isinstance_types(path) if n.endswith(("Metadata", "Batch", "Hooks", "Proposer"))}

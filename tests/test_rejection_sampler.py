@@ -10,11 +10,11 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from tandem.engine.step_plan import RowSampling, ScheduledRow, StepOutput, StepPlan
+from tandem.engine.spec_policy import RunningRow, SpecPolicy
 from tandem.layers.sampler import SamplingMetadata, keyed_uniform, processed_probs, sample
-from tandem.spec_decode.policy import RunningRow, SpecPolicy
 from tandem.spec_decode.reference_verify import verify_one
 from tandem.spec_decode.rejection_sampler import ACCEPT_STREAM, DRAFT_STREAM, rejection_sample
+from tandem.step_plan import RowSampling, ScheduledRow, StepOutput, StepPlan
 
 
 def _meta(temperature, top_k, top_p, min_p, seeds, positions) -> SamplingMetadata:

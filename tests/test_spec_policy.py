@@ -1,4 +1,4 @@
-"""The "auto" K policy (spec_decode/policy.py) on synthetic acceptance and cost streams: it converges to the K of
+"""The "auto" K policy (engine/spec_policy.py) on synthetic acceptance and cost streams: it converges to the K of
 the best expected tokens per second, switches to K = 0 when drafting stops paying and back when it pays again;
 its parts (per-position rates, the online cost fit) recover known values; "auto" is validated with clear errors;
 greedy output with "auto" equals no speculation on every tiny architecture, PCP 1 and 2, both draft modes."""
@@ -19,22 +19,20 @@ from engine_utils import random_prompts, record_steps
 
 from tandem import LLM, SamplingParams
 from tandem.config import ConfigError, ModelConfig, SpeculativeConfig
-from tandem.engine.step_plan import RowSampling, ScheduledRow, StepOutput, StepPlan
-from tandem.spec_decode.acceptance import PositionRates, expected_lengths
-from tandem.spec_decode.cost_model import (
+from tandem.engine.spec_acceptance import PositionRates, expected_lengths
+from tandem.engine.spec_cost_model import (
     DRAFT_TERMS,
-    STEP0_DEFERRED,
     TARGET_TERMS,
     LinearCostModel,
     StepShape,
-    attended_keys,
     draft_prefill_features,
     draft_prefill_terms_from_target,
     duplicate_keys,
     fit_prefill_terms,
     predict_draft_prefill_s,
 )
-from tandem.spec_decode.policy import RunningRow, SpecPolicy, step_shape
+from tandem.engine.spec_policy import RunningRow, SpecPolicy, step_shape
+from tandem.step_plan import STEP0_DEFERRED, RowSampling, ScheduledRow, StepOutput, StepPlan, attended_keys
 
 GREEDY = RowSampling(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, num_logprobs=None)
 K_MAX = 4
@@ -280,7 +278,7 @@ def test_an_exploration_that_finds_the_estimate_stale_runs_on():
     """After a stretch where the drafter failed, its first-draft estimate is low; an exploration whose drafts are
     then accepted far more often than that runs two more steps, up to MAX_EXTENSIONS times, so "auto" drafts again
     within one exploration; where the drafter still fails, an exploration stays two steps."""
-    from tandem.spec_decode.policy import MAX_EXTENSIONS
+    from tandem.engine.spec_policy import MAX_EXTENSIONS
 
     for alpha, runs_on in ((0.95, True), (0.02, False)):
         policy = SpecPolicy(K_MAX)
@@ -874,7 +872,7 @@ def test_a_few_row_tail_that_drafts_keeps_the_full_batches_back_off(monkeypatch:
     the full batches explore less and less (the back-off is not restarted by a tail's few rows). Explorations
     bounded by a perfect drafter (EXPLORE_OPTIMISM 1), so that the full batches explore at all: the schedule is
     what is tested."""
-    monkeypatch.setattr("tandem.spec_decode.policy.EXPLORE_OPTIMISM", 1.0)
+    monkeypatch.setattr("tandem.engine.spec_policy.EXPLORE_OPTIMISM", 1.0)
     # the full batch loses clearly (K = 1 at 0.83x K = 0's rate): at per_token 0.001 it loses by 0.89x, inside
     # NEAR_TIE's band, where exploring on every wait is the policy's design (a cost fit that priced K >= 1 high,
     # as the one that counted a decode's tokens whole did, hid that)
@@ -930,7 +928,7 @@ def _timed_executor(monkeypatch: pytest.MonkeyPatch, seed: int, true_target: np.
                     ) -> tuple[list[StepPlan], object]:
     """An executor whose step takes the TRUE_* seconds of its plan, +-10% noise, on a fake clock; every row
     emits one token and proposes K drafts."""
-    from tandem.spec_decode import calibration
+    from tandem.engine import spec_calibration as calibration
 
     clock, rng, plans = [0.0], np.random.default_rng(seed), []
     monkeypatch.setattr(calibration.time, "perf_counter", lambda: clock[0])
@@ -954,7 +952,7 @@ def test_calibration_tells_a_cost_per_row_from_a_cost_per_key(monkeypatch: pytes
     ~1,000 keys each within 25% of its true cost (0.95-1.12x over seeds 0-5). Calibrated at 64-token contexts
     only (LONG_CONTEXT = 0), the per-row and per-key terms are near collinear: the same step was priced 0.85-3.6x
     its cost over the same seeds."""
-    from tandem.spec_decode.calibration import calibrate
+    from tandem.engine.spec_calibration import calibrate
 
     plans, execute = _timed_executor(monkeypatch, seed)
     policy = SpecPolicy(3)
@@ -983,7 +981,7 @@ def test_calibration_prices_a_long_rows_verify_by_the_keys_it_reads(monkeypatch:
     Without the keys-read term (the target's per-key cost counted per query token) the same calibration priced the
     decode at 0.22-0.23x and the verification at 0.69-0.80x its cost: K = 1 looked 3.3-3.7x a decode where it
     costs 1.07x."""
-    from tandem.spec_decode.calibration import calibrate
+    from tandem.engine.spec_calibration import calibrate
 
     true_target = TRUE_READ_BOUND if truth == "read_bound" else TRUE_READ_AND_ATTEND
     plans, execute = _timed_executor(monkeypatch, seed, true_target)
@@ -1005,7 +1003,7 @@ def test_calibration_prices_a_long_rows_verify_by_the_keys_it_reads(monkeypatch:
 def test_calibration_fits_small_engines(monkeypatch: pytest.MonkeyPatch) -> None:
     """No room for the long row (max_model_len, KV pool, one sequence at a time): it calibrates at one context
     length within what the engine holds, or not at all, and never plans more rows than max_num_seqs."""
-    from tandem.spec_decode.calibration import calibrate
+    from tandem.engine.spec_calibration import calibrate
 
     for max_len, max_seqs, blocks in ((256, 64, 4096), (4096, 1, 4096), (4096, 64, 12), (4096, 64, 2)):
         plans, execute = _timed_executor(monkeypatch, 0)
@@ -1077,9 +1075,9 @@ def test_a_near_tie_is_explored_on_schedule_and_a_clear_loss_backs_off(first_dra
     here), the wait doubles after each (16, 32, 64, ...); a cheap catch-up (4 tokens) keeps the schedule. The
     costs are fixed here (no step is recorded), so only the schedule moves; explorations are bounded by a perfect
     drafter (EXPLORE_OPTIMISM 1: the prior acceptance, moved half-way, could not pay at 0.007 s a draft)."""
-    from tandem.spec_decode.policy import NEAR_TIE
+    from tandem.engine.spec_policy import NEAR_TIE
 
-    monkeypatch.setattr("tandem.spec_decode.policy.EXPLORE_OPTIMISM", 1.0)
+    monkeypatch.setattr("tandem.engine.spec_policy.EXPLORE_OPTIMISM", 1.0)
 
     policy = SpecPolicy(1, defers_step0=bool(deferred))
     target = {"base": 0.010, "per_row": 0.001, "per_extra_token": 0.001}
@@ -1174,7 +1172,7 @@ def test_served_steps_outweigh_the_calibration_prior_which_still_prices_what_the
     """Calibration steps (~5 ms at <= 1,024 keys) are a prior: served steps at ~8k keys on a machine now 1.3x
     slower are priced within 5% after 30 of them, and the prior's weight falls to its floor; after 300 served steps
     at K = 0 (no verification among them) a verification step is still priced from the calibration, within 25%."""
-    from tandem.spec_decode.cost_model import MIN_PRIOR_SCALE
+    from tandem.engine.spec_cost_model import MIN_PRIOR_SCALE
 
     rng = np.random.default_rng(0)
     model = LinearCostModel(TARGET_TERMS)
@@ -1206,7 +1204,7 @@ def test_a_run_at_k0_reprices_the_same_rows_every_few_steps(monkeypatch: pytest.
     """The same rows keep their prices for REPRICE_EVERY steps, drafting or at K = 0 (pricing is ~4% of a batch-1
     step inside the engine, which no fixed K pays), and at K = 0 a held decision prices nothing at all; probes and
     explorations price afresh (the slack: a probe every few drafting steps)."""
-    from tandem.spec_decode.policy import REPRICE_EVERY
+    from tandem.engine.spec_policy import REPRICE_EVERY
 
     policy = SpecPolicy(K_MAX)
     sim = Simulation(policy, batch=4, seed=3)
@@ -1227,7 +1225,7 @@ def test_a_k0_decision_is_held_over_the_same_decode_rows(monkeypatch: pytest.Mon
     """Where K = 0 stays, the same decode rows keep it for HOLD steps: the steps in between price nothing and check
     no exploration (every step still feeds the cost fit); explorations still come (at most HOLD - 1 steps late),
     and a finished request ends the hold at once."""
-    from tandem.spec_decode.policy import HOLD
+    from tandem.engine.spec_policy import HOLD
 
     policy = SpecPolicy(K_MAX)
     sim = Simulation(policy, batch=4, seed=3)

@@ -17,8 +17,7 @@ from typing import Any, ClassVar
 import torch
 
 from tandem.attention.batch import AttentionBatch
-from tandem.attention.kv_dtype import KV_CACHE_DTYPES
-from tandem.config import EngineConfig
+from tandem.config import KV_CACHE_DTYPES, EngineConfig
 
 ATTENTION_KINDS = ("full_attention", "mla_attention")
 

@@ -17,24 +17,7 @@ from __future__ import annotations
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
-_STORAGE: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "fp8": torch.float8_e4m3fn,  # vLLM's "fp8"
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-}
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def kv_storage_dtype(name: str, compute_dtype: torch.dtype) -> torch.dtype:
-    """The cache tensor's dtype for `kv_cache_dtype=name`: "auto" is the model's compute dtype."""
-    if name == "auto":
-        return compute_dtype
-    if name not in _STORAGE:
-        raise ValueError(f"kv_cache_dtype={name!r} is not allowed (--kv-cache-dtype): one of "
-                         f"{', '.join(KV_CACHE_DTYPES)}")
-    return _STORAGE[name]
 
 
 def to_cache(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:

@@ -42,7 +42,7 @@ class StepTimer:
 
     def instrument(self, llm: Any) -> list[Callable[[], None]]:
         """Wraps the engine's parts in place; returns the undo of each wrap."""
-        import tandem.worker.model_runner as model_runner
+        import tandem.runner.model_runner as model_runner
 
         engine = llm.engine
         runner = getattr(engine.executor, "runner", None)

@@ -32,8 +32,8 @@ from tandem.bench.offline import (
 )
 from tandem.bench.prompts import prompt_ids, prompt_texts
 from tandem.engine.llm_engine import LLMEngine
-from tandem.engine.step_plan import StepOutput, StepPlan
 from tandem.entrypoints.engine_args import EngineArgs
+from tandem.step_plan import StepOutput, StepPlan
 
 if TYPE_CHECKING:
     from tandem.bench.vllm_peer import VLLMPeer

@@ -14,18 +14,18 @@ from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.parallel_sampling import ParentRequest, child_id, child_params
 from tandem.engine.request import Request
 from tandem.engine.scheduler import Scheduler
+from tandem.engine.spec_calibration import calibrate
+from tandem.engine.spec_policy import SpecPolicy
 from tandem.executor.multiproc import MultiprocExecutor
 from tandem.executor.torchrun import TorchrunExecutor, launched_by_torchrun
 from tandem.executor.uniproc import UniprocExecutor
 from tandem.outputs import CompletionOutput, RequestOutput
 from tandem.sampling_params import SamplingParams
-from tandem.spec_decode.calibration import calibrate
-from tandem.spec_decode.cost_model import STEP0_DEFERRED
 from tandem.spec_decode.draft_mode import resolve_draft_mode
 from tandem.spec_decode.dspark_proposer import MAX_DEFERRED_CONTEXT_TOKENS
 from tandem.spec_decode.metrics import SpecDecodeStats
 from tandem.spec_decode.mtp_catch_up import MAX_DEFERRED_TOKENS, defers_at_k0
-from tandem.spec_decode.policy import SpecPolicy
+from tandem.step_plan import STEP0_DEFERRED
 from tandem.structured_output.compiler import grammar_compiler
 from tandem.tokenizer import Tokenizer
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from tandem.engine.metrics import EngineStats
 from tandem.engine.request import Request
 from tandem.engine.scheduler import Scheduler
-from tandem.engine.step_plan import StepOutput, StepPlan
 from tandem.outputs import CompletionOutput, RequestOutput
+from tandem.step_plan import StepOutput, StepPlan
 from tandem.tokenizer import Tokenizer
 
 

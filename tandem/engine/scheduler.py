@@ -13,8 +13,8 @@ from collections import deque
 from tandem.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.request import Request, RequestStatus
-from tandem.engine.step_plan import RowSampling, ScheduledRow, StepOutput, StepPlan
-from tandem.spec_decode.policy import RunningRow, SpecPolicy
+from tandem.engine.spec_policy import RunningRow, SpecPolicy
+from tandem.step_plan import RowSampling, ScheduledRow, StepOutput, StepPlan
 
 
 class Scheduler:

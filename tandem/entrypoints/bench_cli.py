@@ -8,8 +8,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from tandem.bench.decode import LAYOUTS
-from tandem.bench.random_model import RANDOM_MODELS
 from tandem.entrypoints.engine_args import EngineArgs
 
 RANDOM_MODEL_DIR = Path(".cache")  # where --random-model builds its checkpoint, as `make setup` keeps models
@@ -22,6 +20,9 @@ def add_parsers(kind: argparse._SubParsersAction) -> None:
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
+    # tandem.bench builds engines from EngineArgs (this package): imported here, not at module level
+    from tandem.bench.random_model import RANDOM_MODELS
+
     p.add_argument("model", nargs="?", default=None, help="local model folder (default: the bundled model)")
     p.add_argument("--random-model", choices=RANDOM_MODELS, default=None,
                    help="instead of MODEL, a random checkpoint at DeepSeek-V3's layer widths (2 dense MLA layers, "
@@ -47,6 +48,8 @@ def _prefill_parser(kind: argparse._SubParsersAction) -> None:
 
 
 def _decode_parser(kind: argparse._SubParsersAction) -> None:
+    from tandem.bench.decode import LAYOUTS
+
     p = kind.add_parser("decode", help="TPOT at long contexts (planted in the prefix cache) per batch size")
     _model_args(p)
     p.add_argument("--input-len", type=int, nargs="+", default=[1024, 2048], metavar="L",

@@ -10,8 +10,8 @@ import typing
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tandem.attention.kv_dtype import KV_CACHE_DTYPES
 from tandem.config import (
+    KV_CACHE_DTYPES,
     AttentionConfig,
     CacheConfig,
     CompilationConfig,

@@ -41,8 +41,8 @@ from tandem.distributed.init import (
     rank_device,
     step_timeout_s,
 )
-from tandem.engine.step_plan import StepOutput, StepPlan
-from tandem.worker.model_runner import ModelRunner
+from tandem.runner.model_runner import ModelRunner
+from tandem.step_plan import StepOutput, StepPlan
 
 _POLL_S = 0.2
 logger = logging.getLogger("tandem")

@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 from tandem.config import EngineConfig
 from tandem.distributed.init import build_groups, collective_timeout_s, rank_device
-from tandem.engine.step_plan import StepOutput, StepPlan
 from tandem.executor.multiproc import EngineDeadError
-from tandem.worker.model_runner import ModelRunner
+from tandem.runner.model_runner import ModelRunner
+from tandem.step_plan import StepOutput, StepPlan
 
 _IDLE_TIMEOUT = timedelta(days=7)
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from tandem.config import EngineConfig
-from tandem.engine.step_plan import StepOutput, StepPlan
-from tandem.worker.model_runner import ModelRunner
+from tandem.runner.model_runner import ModelRunner
+from tandem.step_plan import StepOutput, StepPlan
 
 
 class UniprocExecutor:

@@ -26,11 +26,11 @@ import torch
 from torch import nn
 
 from tandem.models.dspark import ContextPrefix, DSparkDrafter
-from tandem.spec_decode.cost_model import STEP0_DEFERRED
 from tandem.spec_decode.draft_sampling import pack_drafts, sample_draft
 from tandem.spec_decode.dspark_context import make_context_kv_writer
 from tandem.spec_decode.layer_capture import LayerCapture
 from tandem.spec_decode.proposer import Proposal, TargetStep
+from tandem.step_plan import STEP0_DEFERRED
 from tandem.worker.input_batch import InputBatch
 
 MAX_DEFERRED_CONTEXT_TOKENS = 4096  # target tokens whose context write may wait (their layer outputs are kept)

@@ -26,8 +26,7 @@ import numpy as np
 import torch
 
 from tandem.attention.batch import AttentionBatch
-from tandem.engine.step_plan import StepPlan
-from tandem.spec_decode.cost_model import attended_keys
+from tandem.step_plan import StepPlan, attended_keys
 from tandem.worker.input_batch import InputBatch, global_attention_metadata
 
 MAX_DEFERRED_TOKENS = 256  # a request's deferred hidden states, each [H]: bounded memory, a bounded catch-up

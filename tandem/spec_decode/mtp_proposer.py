@@ -23,12 +23,11 @@ import torch
 from tandem.attention.backend import AttentionBackend
 from tandem.attention.batch import PAD_SLOT_ID, AttentionBatch, KVShard
 from tandem.attention.forward_context import forward_context
-from tandem.engine.step_plan import StepPlan
 from tandem.models.mtp import DeepSeekMTP
-from tandem.spec_decode.cost_model import STEP0_DEFERRED
 from tandem.spec_decode.draft_sampling import pack_drafts, sample_draft
 from tandem.spec_decode.mtp_catch_up import DeferredStep0
 from tandem.spec_decode.proposer import Proposal, TargetStep
+from tandem.step_plan import STEP0_DEFERRED, StepPlan
 from tandem.worker.input_batch import InputBatch
 
 

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from tandem.engine.step_plan import StepPlan
+from tandem.step_plan import StepPlan
 from tandem.worker.input_batch import InputBatch
 from tandem.worker.pcp_hooks import LocalBatch, PCPHooks
 

@@ -18,14 +18,17 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from tandem.config import EngineConfig
-from tandem.engine.step_plan import StepPlan
 from tandem.structured_output.backend import Matcher
 from tandem.structured_output.compiler import grammar_compiler
 from tandem.worker.input_batch import InputBatch
+
+if TYPE_CHECKING:  # the step protocol imports this package's GrammarSpec
+    from tandem.step_plan import StepPlan
 
 logger = logging.getLogger("tandem")
 

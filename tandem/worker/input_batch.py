@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from tandem.attention.batch import PAD_SLOT_ID, AttentionBatch
-from tandem.engine.step_plan import StepPlan
 from tandem.layers.sampler import SamplingMetadata
+from tandem.step_plan import StepPlan
 
 
 @dataclass

@@ -49,19 +49,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from tandem.engine.metrics import Counter, Gauge, Metric, Vector
-from tandem.engine.step_plan import StepOutput, StepPlan
-from tandem.spec_decode.acceptance import PositionRates
-from tandem.spec_decode.cost_model import (
+from tandem.engine.spec_acceptance import PositionRates
+from tandem.engine.spec_cost_model import (
     DRAFT_TERMS,
-    STEP0_DEFERRED,
     TARGET_TERMS,
     LinearCostModel,
     StepShape,
-    attended_keys,
     duplicate_keys,
     duplicate_keys_of,
     shared_blocks,
 )
+from tandem.step_plan import STEP0_DEFERRED, StepOutput, StepPlan, attended_keys
 
 # an exploration while the best K >= 1 is priced within this fraction of K = 0's rate does not double the wait for
 # the next: two steps that lose at most ~10% each, every explore_after steps, cost ~1% of the rate, and a near tie

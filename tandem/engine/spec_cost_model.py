@@ -49,6 +49,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tandem.step_plan import attended_keys
+
 TARGET_TERMS = ("base", "per_row", "per_extra_token", "per_token_context", "per_verifying_row",
                 "per_verifying_context", "per_accepted_token", "per_key_read")
 DRAFT_TERMS = ("base", "per_token", "per_token_context", "first", "first_per_row", "first_per_context",
@@ -145,15 +147,6 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
             hi = mid
     return lo
 
-
-def attended_keys(num_new_tokens: int, num_computed_tokens: int) -> float:
-    """Keys the n new tokens of a row attend to in total (causal): n * start + n (n + 1) / 2."""
-    return num_new_tokens * num_computed_tokens + num_new_tokens * (num_new_tokens + 1) / 2
-
-
-# a draft stat: a step whose drafter deferred its per-step pass whole (MTP's step 0 at K = 0, mtp_catch_up.py), the
-# number of tokens it deferred; such a step's draft features price no step 0
-STEP0_DEFERRED = "step0_deferred_tokens"
 
 MIN_WEIGHTED_SECONDS = 1e-4  # a step's weight in the fit is 1 / seconds^2, capped here (a synthetic 0 s step)
 # The start-up calibration's steps are a prior: each served step fades them by PRIOR_FADE more than its forgetting,

@@ -13,7 +13,6 @@ from tandem.attention.layer import Attention, MLAAttention
 from tandem.compilation.compile import compile_model
 from tandem.config import EngineConfig
 from tandem.distributed.groups import SINGLE_RANK, ParallelGroups
-from tandem.engine.step_plan import StepOutput, StepPlan
 from tandem.layers.cpu_gemm import prepack_linears
 from tandem.layers.sampler import sample, top_logprobs
 from tandem.models.loader import build_model
@@ -21,6 +20,7 @@ from tandem.spec_decode.draft_mode import resolve_draft_mode
 from tandem.spec_decode.factory import build_proposer
 from tandem.spec_decode.proposer import Proposer, TargetStep
 from tandem.spec_decode.rejection_sampler import rejection_sample
+from tandem.step_plan import StepOutput, StepPlan
 from tandem.structured_output.grammar_masks import GrammarMasks
 from tandem.worker.host_memory import keep_freed_memory
 from tandem.worker.input_batch import InputBuffers, global_attention_metadata, padding_batch, prepare_inputs

@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 
 from tandem.attention.metadata import CASCADE_MIN_KEYS
 from tandem.config import EngineConfig
-from tandem.engine.step_plan import RowSampling, ScheduledRow, StepOutput, StepPlan
-from tandem.spec_decode.cost_model import draft_prefill_terms_from_target, predict_draft_prefill_s
-from tandem.spec_decode.policy import SpecPolicy
+from tandem.engine.spec_cost_model import draft_prefill_terms_from_target, predict_draft_prefill_s
+from tandem.engine.spec_policy import SpecPolicy
+from tandem.step_plan import RowSampling, ScheduledRow, StepOutput, StepPlan
 
 logger = logging.getLogger("tandem")
 GREEDY = RowSampling(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, num_logprobs=None)

@@ -17,6 +17,7 @@ FAST_FILES = (
     "tests/test_cpu_gemm.py",
     "tests/test_draft_mode.py",
     "tests/test_envs.py",
+    "tests/test_package_layers.py",
     "tests/test_eval_gsm8k.py",
     "tests/test_eval_pool.py",
     "tests/test_expanded_prefix.py",

@@ -76,3 +76,32 @@ def run_tokens(path, prompts: list[list[int]], params: list[SamplingParams],
         return [o.outputs[0].token_ids for o in outs], llm.draft_mode, metrics
     finally:
         llm.shutdown()
+
+
+def assert_drafts_keep_greedy_under_grammars(path, prompts: list[list[int]], schemas: list[dict], backend: str,
+                                             speculative_config: dict, max_tokens: int = 200, **engine_kwargs) -> None:
+    """Greedy under a JSON-schema grammar with `speculative_config` drafting gives the tokens of greedy without
+    drafts (each draft row verified under the mask after the drafts before it), drafts were made, and every output
+    that finished inside max_tokens follows its schema."""
+    import json
+
+    import jsonschema
+
+    from tandem import StructuredOutputsParams
+
+    params = [SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=StructuredOutputsParams(json=s))
+              for s in schemas]
+    engine = {**engine_kwargs, "structured_outputs_config": {"backend": backend, "disable_any_whitespace": True}}
+    want, _, _ = run_tokens(path, prompts, params, **engine)
+    llm = LLM(str(path), speculative_config=speculative_config, **engine)
+    try:
+        outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                   use_tqdm=False)]
+        drafted = metric(llm, "tandem:spec_decode_num_draft_tokens")
+    finally:
+        llm.shutdown()
+    assert [o.token_ids for o in outs] == want, f"{speculative_config['method']} drafts changed greedy tokens"
+    assert drafted > 0
+    for out, schema in zip(outs, schemas, strict=True):
+        if out.finish_reason == "stop":
+            jsonschema.validate(json.loads(out.text, strict=False), schema)

@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dspark_checkpoint import build_dspark_drafter
-from engine_utils import random_prompts, record_steps
+from engine_utils import assert_drafts_keep_greedy_under_grammars, random_prompts, record_steps
 from hf_oracle import load_hf_model
+from json_schemas import random_schema
 from safetensors.torch import load_file
 
 from tandem import LLM, SamplingParams
@@ -215,26 +216,7 @@ def test_pcp2_dspark_matches_single_rank(pair):
 
 @pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
 def test_greedy_dspark_under_a_grammar_equals_non_speculative(pair, backend):
-    """Structured output with DSpark's block drafts: each draft row is verified under the grammar's mask after the
-    drafts before it, so greedy tokens equal those without drafts and every finished output follows its schema."""
-    import jsonschema
-    from json_schemas import random_schema
-
-    from tandem import StructuredOutputsParams
-
+    """Structured output with DSpark's block drafts: greedy tokens equal those without drafts under JSON schemas."""
     target, drafter = pair("deepseek_v3")
-    schemas = [random_schema(400 + i) for i in range(4)]
-    params = [SamplingParams(temperature=0, max_tokens=200, structured_outputs=StructuredOutputsParams(json=s))
-              for s in schemas]
-    grammar = {"structured_outputs_config": {"backend": backend, "disable_any_whitespace": True}}
-    prompts = _prompts()[:4]
-    plain, want = _generate(target, prompts, params, **grammar)
-    plain.shutdown()
-    llm, got = _generate(target, prompts, params, speculative_config=_dspark(drafter, BLOCK), **grammar)
-    metrics = _metrics(llm)
-    llm.shutdown()
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-    assert metrics["tandem:spec_decode_num_draft_tokens"] > 0
-    for out, schema in zip(got, schemas, strict=True):
-        if out.outputs[0].finish_reason == "stop":
-            jsonschema.validate(json.loads(out.outputs[0].text, strict=False), schema)
+    assert_drafts_keep_greedy_under_grammars(target, _prompts()[:4], [random_schema(400 + i) for i in range(4)],
+                                             backend, _dspark(drafter, BLOCK), **ENGINE)

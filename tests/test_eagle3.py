@@ -13,7 +13,8 @@ import pytest
 import torch
 from eagle3_checkpoint import build_eagle3_head
 from eagle3_reference import PlainEagle3
-from engine_utils import random_prompts, record_steps
+from engine_utils import assert_drafts_keep_greedy_under_grammars, random_prompts, record_steps
+from json_schemas import random_schema
 
 from tandem import LLM, SamplingParams
 from tandem.config import ConfigError
@@ -207,26 +208,7 @@ def test_eagle3_needs_a_head_folder_and_a_supported_target(tiny_checkpoints, tmp
 
 @pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
 def test_greedy_eagle3_under_a_grammar_equals_non_speculative(pair, backend):
-    """Structured output with an EAGLE-3 drafter: each draft row is verified under the grammar's mask after the
-    drafts before it, so greedy tokens equal those without drafts and every finished output follows its schema."""
-    import jsonschema
-    from json_schemas import random_schema
-
-    from tandem import StructuredOutputsParams
-
+    """Structured output with an EAGLE-3 drafter: greedy tokens equal those without drafts under JSON schemas."""
     target, head = pair("llama4")
-    schemas = [random_schema(200 + i) for i in range(4)]
-    params = [SamplingParams(temperature=0, max_tokens=200, structured_outputs=StructuredOutputsParams(json=s))
-              for s in schemas]
-    grammar = {"structured_outputs_config": {"backend": backend, "disable_any_whitespace": True}}
-    prompts = _prompts()[:4]
-    plain, want = _generate(target, prompts, params, **grammar)
-    plain.shutdown()
-    llm, got = _generate(target, prompts, params, speculative_config=_eagle3(head, 3), **grammar)
-    metrics, tokenizer = _metrics(llm), llm.get_tokenizer()
-    llm.shutdown()
-    assert got == want, "EAGLE-3 drafts under a grammar changed greedy tokens"
-    assert metrics["tandem:spec_decode_num_draft_tokens"] > 0
-    for tokens, schema in zip(got, schemas, strict=True):
-        if len(tokens) < 200:  # finished inside max_tokens: the grammar ended it
-            jsonschema.validate(json.loads(tokenizer.decode(tokens), strict=False), schema)
+    assert_drafts_keep_greedy_under_grammars(target, _prompts()[:4], [random_schema(200 + i) for i in range(4)],
+                                             backend, _eagle3(head, 3), **ENGINE)

@@ -141,16 +141,19 @@ def test_greedy_speculative_equals_non_speculative_under_grammar(dsv3, backend, 
         assert metrics["tandem:spec_decode_num_accepted_tokens"] > 0
 
 
-def test_pcp2_mtp_under_grammar_equals_single_rank_no_spec(dsv3, backend, llm):
+@pytest.mark.parametrize("draft_backend", ["PAGED_MLA", "CONTIGUOUS_MLA"], ids=["sharded-draft", "replicated-draft"])
+def test_pcp2_mtp_under_grammar_equals_single_rank_no_spec(dsv3, backend, llm, draft_backend):
     """Masks are computed on every rank from the same emitted tokens: PCP=2 with MTP K=3 samples the same tokens
-    as one rank without drafts (and long prompts are split over the ranks)."""
+    as one rank without drafts (and long prompts are split over the ranks), with the drafter sharded like the
+    target (a PCP-capable backend) or replicated (one that is not)."""
     schemas = [random_schema(200 + i) for i in range(3)]
     prompts = random_prompts([70, 9, 40], vocab_size=500, seed=9)
     params = [_json(s, temperature=0) for s in schemas]
     reference = _texts(llm, prompts, params)
     pcp = LLM(str(dsv3), **_engine(backend), prefill_context_parallel_size=2,
-              speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+              speculative_config={"method": "mtp", "num_speculative_tokens": 3, "attention_backend": draft_backend})
     try:
+        assert pcp.draft_mode == ("sharded" if draft_backend == "PAGED_MLA" else "replicated"), pcp.draft_mode
         got = _texts(pcp, prompts, params)
     finally:
         pcp.shutdown()

@@ -272,3 +272,42 @@ def test_engine_drafts_with_a_trained_head_equal_its_training_forward(trained, m
     assert checked >= 6
     m = {x.name: getattr(x, "value", None) for x in llm.get_metrics()}
     assert m["tandem:spec_decode_num_accepted_tokens"] > 0
+
+
+def test_init_from_continues_where_the_head_left_off(trained, tmp_path):
+    """`--init-from`: a run continued from a trained head starts at that head's held-out loss (every weight and
+    every vocabulary row carried over), far below a fresh start's."""
+    import shutil
+
+    target, out, work = trained
+    warm_work = tmp_path / "work"  # the same data and features, no checkpoint to resume
+    for part in ("data", "features"):
+        shutil.copytree(work / part, warm_work / part)
+    rc = cli_main(["train", "draft-head", str(target), "--out", str(tmp_path / "head"), "--work", str(warm_work),
+                   "--gsm8k", str(work.parent / "train.jsonl"), "--num-prompts", "16", "--max-tokens", "24",
+                   "--draft-vocab-size", "256", "--epochs", "1", "--batch-tokens", "512", "--lr", "1e-5",
+                   "--threads", "1", "--init-from", str(out)])
+    assert rc == 0
+    first = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    warm = [json.loads(line) for line in (warm_work / "train_log.jsonl").read_text().splitlines()]
+    assert [r["lm_head_rows_copied"] for r in warm if r["stage"] == "init_from"] == [256]
+    fresh_start = [r for r in first if "eval_loss" in r][0]["eval_loss"]
+    trained_end = [r for r in first if "eval_loss" in r][-1]["eval_loss"]
+    warm_start = [r for r in warm if "eval_loss" in r][0]["eval_loss"]
+    assert warm_start == pytest.approx(trained_end, rel=0.03), (fresh_start, trained_end, warm_start)
+
+
+def test_init_from_a_head_of_another_target_is_refused(trained, tmp_path):
+    from tandem.assets import SMOLLM2_EAGLE3
+    from tandem.train.draft_head.objective import warm_start
+
+    head, vocab, config = load_head(trained[1])
+    with pytest.raises(ValueError, match=r"--init-from .* does not fit this target: its head shape is .*"
+                                         r"hidden_size=576"):
+        warm_start(head, vocab, SMOLLM2_EAGLE3, config["vocab_size"], config["eagle_aux_hidden_state_layer_ids"])
+    with pytest.raises(ValueError, match=r"its eagle_aux_hidden_state_layer_ids is \[2, 3, 3\], this target "
+                                         r"needs \[1, 2, 3\]"):
+        warm_start(head, vocab, trained[1], config["vocab_size"], [1, 2, 3])
+    rc = cli_main(["train", "draft-head", str(trained[0]), "--out", str(tmp_path / "h"),
+                   "--init-from", str(tmp_path / "missing")])
+    assert rc == 2

@@ -180,7 +180,10 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     d.add_argument("--max-hours", type=float, default=24.0, help="wall-clock budget; training shortens to fit")
     d.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,
-                   help="bf16 autocast for the head's training matmuls (weights and optimizer stay float32)")
+                   help="bf16 autocast for the target's feature pass and the head's training matmuls "
+                        "(weights and optimizer stay float32)")
+    d.add_argument("--init-from", default=None,
+                   help="a trained head folder to continue from (same target; its vocabulary rows are mapped)")
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -194,7 +197,8 @@ def run_train(args: argparse.Namespace) -> int:
         target=Path(args.target), out=out, work=work, gsm8k=gsm8k, num_prompts=args.num_prompts,
         magpie_share=args.magpie_share, max_tokens=args.max_tokens, draft_vocab_size=args.draft_vocab_size,
         ttt_steps=args.ttt_steps, epochs=args.epochs, batch_tokens=args.batch_tokens, lr=args.lr, seed=args.seed,
-        threads=args.threads, max_hours=args.max_hours, bf16=args.bf16)))
+        threads=args.threads, max_hours=args.max_hours, bf16=args.bf16,
+        init_from=Path(args.init_from) if args.init_from else None)))
     return 0
 
 

@@ -40,14 +40,18 @@ class TargetModel:
         top_probs = torch.zeros(b, t, TOP_K, dtype=torch.float16)
         for r in range(b):
             lo, hi = max(starts[r] - 1, 0), lengths[r]
-            logits = self.model.lm_head(out.last_hidden_state[r, lo:hi]).float()  # [hi - lo, V]
+            with torch.autocast("cpu", enabled=False):  # the labels' probabilities stay float32 under --bf16
+                last = out.last_hidden_state[r, lo:hi].float()
+                logits = torch.nn.functional.linear(last, self.model.lm_head.weight.float())  # [hi - lo, V]
             p, i = torch.softmax(logits, -1).topk(TOP_K, dim=-1)
             top_ids[r, lo:hi], top_probs[r, lo:hi] = i.int(), p.half()
         return aux, top_ids, top_probs
 
 
-def compute_chunk(target: TargetModel, rows: list[dict[str, Any]], stem: Path) -> None:
-    """Concatenated along tokens in row order; write-then-rename so a chunk exists whole or not at all."""
+def compute_chunk(target: TargetModel, rows: list[dict[str, Any]], stem: Path, bf16: bool = False) -> None:
+    """Concatenated along tokens in row order; write-then-rename so a chunk exists whole or not at all.
+    bf16: autocast the target's matmuls (1.6x faster on the AVX512-BF16 EPYC; the aux streams are stored in bf16
+    anyway, and they moved 0.5% relative, about bf16's own rounding)."""
     lengths = [len(r["ids"]) for r in rows]
     offsets = np.concatenate(([0], np.cumsum(lengths)))
     aux_all = np.lib.format.open_memmap(f"{stem}.aux.tmp.npy", mode="w+", dtype=np.uint16,
@@ -68,8 +72,9 @@ def compute_chunk(target: TargetModel, rows: list[dict[str, Any]], stem: Path) -
         ids = torch.zeros(len(batch), t, dtype=torch.long)
         for r, i in enumerate(batch):
             ids[r, :lengths[i]] = torch.tensor(rows[i]["ids"])
-        aux, top_ids, top_probs = target.features(ids, [lengths[i] for i in batch],
-                                                  [rows[i]["response_start"] for i in batch])
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            aux, top_ids, top_probs = target.features(ids, [lengths[i] for i in batch],
+                                                      [rows[i]["response_start"] for i in batch])
         for r, i in enumerate(batch):
             lo, n = offsets[i], lengths[i]
             aux_all[lo:lo + n] = aux[r, :n].view(torch.int16).numpy().view(np.uint16)

@@ -9,7 +9,9 @@ Index map for one sequence x[0..n-1] with response start s (t = training index, 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -98,6 +100,33 @@ def init_head(head: DraftHead, target_lm_head: torch.Tensor, vocab: DraftVocab, 
                 p.fill_(1.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+
+
+def warm_start(head: DraftHead, vocab: DraftVocab, folder: Path, target_vocab_size: int,
+               aux_layers: list[int]) -> int:
+    """Continue from a trained head folder (`--init-from`): every weight is copied, and the LM head row of each
+    draft id whose target token the old vocabulary also held (the rest keep init_head's rows). Returns the rows
+    copied. A head of another shape, target vocabulary or aux-layer choice is refused, naming the difference."""
+    from tandem.train.draft_head.export import load_head
+
+    old, old_vocab, config = load_head(folder)
+    wanted = dataclasses.replace(head.shape, draft_vocab_size=old.shape.draft_vocab_size)
+    checks = [("head shape", old.shape, wanted), ("vocab_size", config["vocab_size"], target_vocab_size),
+              ("eagle_aux_hidden_state_layer_ids", config["eagle_aux_hidden_state_layer_ids"], aux_layers)]
+    for name, got, want in checks:
+        if got != want:
+            raise ValueError(f"--init-from {folder} does not fit this target: its {name} is {got}, "
+                             f"this target needs {want}")
+    old_rows = old_vocab.to_draft()[vocab.target_ids]  # [draft_vocab] old draft id per new one, -1 if absent
+    kept = old_rows >= 0
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            src = dict(old.named_parameters())[name]
+            if name == "lm_head.weight":
+                p[kept] = src[old_rows[kept]]
+            else:
+                p.copy_(src)
+    return int(kept.sum())
 
 
 def evaluate(head: DraftHead, embed: torch.Tensor, store: FeatureStore, batches: list[list[int]],

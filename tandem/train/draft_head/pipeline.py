@@ -18,7 +18,7 @@ from tandem.train.draft_head.export import save_head
 from tandem.train.draft_head.features import FeatureStore, TargetModel, chunk_done, compute_chunk
 from tandem.train.draft_head.head import DraftHead
 from tandem.train.draft_head.loop import LoopConfig, split, train
-from tandem.train.draft_head.objective import init_head
+from tandem.train.draft_head.objective import init_head, warm_start
 from tandem.train.draft_head.target_config import aux_layer_ids, eagle3_config, head_shape, read_target_config
 from tandem.train.draft_head.vocab import build_vocab, coverage, heldout_coverage, response_counts
 
@@ -43,6 +43,7 @@ class DraftHeadArgs:
     threads: int | None = None
     max_hours: float = 24.0
     bf16: bool = True
+    init_from: Path | None = None  # a trained head folder to continue from
 
     def validate(self, target_vocab_size: int) -> None:
         checks = [("num_prompts", self.num_prompts >= 1, "at least 1"),
@@ -53,6 +54,10 @@ class DraftHeadArgs:
                   ("ttt_steps", 1 <= self.ttt_steps <= 8, "1 to 8"), ("epochs", self.epochs >= 1, "at least 1"),
                   ("batch_tokens", self.batch_tokens >= 16, "at least 16"), ("lr", self.lr > 0, "above 0"),
                   ("max_hours", self.max_hours > 0, "above 0")]
+        if self.init_from is not None:
+            checks.append(("init_from", (self.init_from / "model.safetensors").is_file()
+                           and (self.init_from / "config.json").is_file(),
+                           "a head folder holding config.json and model.safetensors"))
         for name, ok, allowed in checks:
             if not ok:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)!r} is not allowed: {allowed}")
@@ -121,7 +126,7 @@ def run(args: DraftHeadArgs) -> Path:
     if missing:
         target_model = TargetModel(args.target, aux_layer_ids(raw))
         for stem, rs in missing:
-            compute_chunk(target_model, rs, stem)
+            compute_chunk(target_model, rs, stem, bf16=args.bf16)
         del target_model
     log({"stage": "features", "seconds": round(time.time() - t0, 1), "computed_chunks": len(missing)})
 
@@ -139,6 +144,9 @@ def run(args: DraftHeadArgs) -> Path:
     head = DraftHead(shape)
     embed, lm_head = target_embed_and_head(args.target)
     init_head(head, lm_head, vocab, args.seed)
+    if args.init_from is not None:
+        rows = warm_start(head, vocab, args.init_from, raw["vocab_size"], aux_layer_ids(raw))
+        log({"stage": "init_from", "head": str(args.init_from), "lm_head_rows_copied": rows})
     deadline = started + args.max_hours * 3600 - 120  # two minutes kept for the export
     cfg = LoopConfig(epochs=args.epochs, batch_tokens=args.batch_tokens, lr=args.lr, num_steps=args.ttt_steps,
                      seed=args.seed, deadline=deadline, bf16=args.bf16)

@@ -110,6 +110,9 @@ class CacheConfig:
     # fp8_e5m2; the budget above counts bytes, so a narrower dtype holds more tokens (tandem/attention/kv_dtype.py)
     cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
+    # fp8 caches: per-layer k_scale / v_scale from the first batch that writes the cache (amax / 200 for K, / 100
+    # for V, vLLM's constants), replacing a checkpoint's scales and the default 1.0 (tandem/attention/kv_scales.py)
+    calculate_kv_scales: bool = False
 
     def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The KV cache tensors' dtype."""
@@ -368,6 +371,9 @@ class EngineConfig:
             _fail("block_size", c.block_size, "a power of two from 1 to 256")
         if c.cache_dtype not in KV_CACHE_DTYPES:
             _fail("kv_cache_dtype (--kv-cache-dtype)", c.cache_dtype, f"one of {', '.join(KV_CACHE_DTYPES)}")
+        if c.calculate_kv_scales and not c.cache_dtype.startswith("fp8"):
+            _fail("calculate_kv_scales (--calculate-kv-scales)", c.calculate_kv_scales,
+                  f"only with an fp8 kv_cache_dtype (fp8, fp8_e4m3, fp8_e5m2), not {c.cache_dtype!r}")
         if c.num_gpu_blocks is not None and c.num_gpu_blocks < 1:
             _fail("num_gpu_blocks", c.num_gpu_blocks, "a positive integer or None")
         if s.max_num_seqs < 1:

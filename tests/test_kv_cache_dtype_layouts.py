@@ -47,9 +47,9 @@ def _run(path: str, **kwargs) -> tuple[list[list[int]], dict[str, float]]:
 
 
 @functools.lru_cache(maxsize=16)
-def _single_rank(path: str, kv: str, blocks: int | None) -> list[list[int]]:
+def _single_rank(path: str, kv: str, blocks: int | None, calculate_kv_scales: bool = False) -> list[list[int]]:
     return _run(path, kv_cache_dtype=kv, num_gpu_blocks_override=blocks,
-                max_model_len=None if blocks is None else 128)[0]
+                max_model_len=None if blocks is None else 128, calculate_kv_scales=calculate_kv_scales)[0]
 
 
 CASES = [  # (arch, kv_cache_dtype, layout, drafter, per-rank KV blocks or None = plenty)
@@ -85,6 +85,28 @@ def test_narrow_kv_greedy_matches_single_rank(tiny_checkpoints, arch, kv, layout
         assert metrics["tandem:spec_decode_num_drafts"] > 0
     if blocks is not None:
         assert metrics["tandem:num_preemptions"] > 0, "the small pools should have forced preemption"
+
+
+CALCULATED_SCALE_CASES = [  # (arch, layout, drafter): calculate_kv_scales, fp8
+    ("deepseek_v3", "pcp2-sharded", "mtp-sharded"),
+    ("deepseek_v3", "pcp4", "mtp-replicated"),
+    ("deepseek_v3", "tp2", None),
+    ("glm4_moe", "pcp2", "mtp-replicated"),
+    ("glm4_moe", "pcp4-sharded", "mtp-sharded"),
+    ("glm4_moe", "tp2", "mtp-sharded"),
+]
+
+
+@pytest.mark.parametrize("arch,layout,drafter", CALCULATED_SCALE_CASES)
+def test_calculated_kv_scales_match_single_rank(tiny_checkpoints, arch, layout, drafter):
+    """calculate_kv_scales: the scales come from the written rows after the PCP gather, reduced over TP and PCP,
+    so every layout stores what one rank stores: the same greedy tokens."""
+    path = str(tiny_checkpoints(arch, num_mtp_layers=1))
+    tokens, metrics = _run(path, kv_cache_dtype="fp8", calculate_kv_scales=True,
+                           speculative_config=_spec(arch, drafter), **LAYOUTS[layout])
+    assert tokens == _single_rank(path, "fp8", None, True), f"{arch} {layout} {drafter}: differs from one rank"
+    if drafter is not None:
+        assert metrics["tandem:spec_decode_num_drafts"] > 0
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])

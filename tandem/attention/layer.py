@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tandem.attention import kv_scales
 from tandem.attention.expanded_prefix import KeptExpansion
 from tandem.attention.forward_context import get_forward_context
 from tandem.attention.kv_dtype import to_cache
@@ -29,6 +30,7 @@ class Attention(nn.Module):
         self.kv_cache = torch.empty(0)
         # stored K = K / k_scale, V = V / v_scale (a checkpoint's k_scale / v_scale, else 1.0: vLLM's default)
         self.k_scale, self.v_scale = 1.0, 1.0
+        self.kv_scale_calibration: kv_scales.ReduceMax | None = None  # armed: scales from the next written batch
         self.layer_name = opaque_ops.register_layer(self)
 
     def kv_spec(self) -> tuple[int, int]:
@@ -42,6 +44,13 @@ class Attention(nn.Module):
     def forward_eager(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         t = q.shape[0]
+        if self.kv_scale_calibration is not None:
+            amax = kv_scales.written_amax(ctx, torch.cat((k, v), dim=-1), [k.shape[-1], v.shape[-1]],
+                                          self.kv_scale_calibration)
+            if amax is not None:
+                self.k_scale = kv_scales.scale_from(amax[0].item(), kv_scales.K_SCALE_CONSTANT)
+                self.v_scale = kv_scales.scale_from(amax[1].item(), kv_scales.V_SCALE_CONSTANT)
+                self.kv_scale_calibration = None
         k, v = to_cache(k, self.kv_cache.dtype, self.k_scale), to_cache(v, self.kv_cache.dtype, self.v_scale)
         scale = self.scale * self.k_scale
         if ctx.gathers_kv:  # one gather for K and V: under PCP every rank writes every rank's prefill K/V
@@ -83,6 +92,7 @@ class MLAAttention(nn.Module):
         # stored entry = [kv_c | k_pe] / k_scale: one scale for the entry, which is both key and value (v_scale,
         # read with it, is unused: vLLM's MLA backends read k_scale alone)
         self.k_scale, self.v_scale = 1.0, 1.0
+        self.kv_scale_calibration: kv_scales.ReduceMax | None = None  # armed: the scale from the next written batch
         self.layer_name = opaque_ops.register_layer(self)
 
     @property
@@ -110,7 +120,13 @@ class MLAAttention(nn.Module):
         w = kv_b_weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         up = MLAUpProjection(w_uk=w[:, : self.nope_dim], w_uv=w[:, self.nope_dim:],  # [H, nope, L], [H, v, L]
                              w_kv_b=kv_b_weight, kept=self.kept_prefix)
-        entries = to_cache(torch.cat((kv_c, k_pe), dim=-1), self.kv_cache.dtype, self.k_scale)  # [T, L + rope]
+        entries = torch.cat((kv_c, k_pe), dim=-1)  # [T, L + rope]
+        if self.kv_scale_calibration is not None:
+            amax = kv_scales.written_amax(ctx, entries, [entries.shape[-1]], self.kv_scale_calibration)
+            if amax is not None:
+                self.k_scale = kv_scales.scale_from(amax[0].item(), kv_scales.K_SCALE_CONSTANT)
+                self.kv_scale_calibration = None
+        entries = to_cache(entries, self.kv_cache.dtype, self.k_scale)
         entries = ctx.gather_kv(entries)  # [T (or P * max_local under PCP), L + rope]
         meta, backend, exchange = ctx.metadata(self.kind), ctx.backends[self.kind], ctx.kv_exchange
         scale = self.scale * self.k_scale

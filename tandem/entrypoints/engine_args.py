@@ -37,6 +37,7 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int = 1 << 30
     kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
@@ -73,6 +74,7 @@ class EngineArgs:
             model_config=mc,
             cache_config=CacheConfig(self.block_size, self.num_gpu_blocks_override, self.kv_cache_memory_bytes,
                                      cache_dtype=self.kv_cache_dtype,
+                                     calculate_kv_scales=self.calculate_kv_scales,
                                      enable_prefix_caching=self.enable_prefix_caching),
             scheduler_config=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens,
                                              self.enable_chunked_prefill),
@@ -99,6 +101,9 @@ class EngineArgs:
         p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
                        help="the KV cache's dtype: auto (the model's), bfloat16, fp8 (= fp8_e4m3) or fp8_e5m2; the "
                             "same --kv-cache-memory-bytes then holds 2x (bf16 -> fp8) or 4x (float32 -> fp8) tokens")
+        p.add_argument("--calculate-kv-scales", action="store_true",
+                       help="fp8 KV cache: per-layer scales from the first batch's K/V (amax / 200, V: / 100) "
+                            "instead of the checkpoint's k_scale / v_scale or 1.0")
         p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
         p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
         p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)

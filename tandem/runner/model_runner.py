@@ -5,8 +5,10 @@ from __future__ import annotations
 import time
 
 import torch
+from torch import nn
 
 from tandem import native
+from tandem.attention import kv_scales
 from tandem.attention.backend import select_target_backends
 from tandem.attention.forward_context import forward_context
 from tandem.attention.layer import Attention, MLAAttention
@@ -31,6 +33,7 @@ from tandem.worker.pcp_hooks import LocalBatch, make_pcp_hooks
 class ModelRunner:
     def __init__(self, config: EngineConfig, groups: ParallelGroups = SINGLE_RANK):
         self.config = config
+        self.groups = groups
         self.device = config.device
         keep_freed_memory()  # steps reuse their activations' pages instead of faulting fresh ones in (host_memory.py)
         self.block_size = config.cache_config.block_size
@@ -97,6 +100,10 @@ class ModelRunner:
         self.proposer.allocate_kv_cache(num_blocks * self.kv_pools, self.block_size, dtype, self.device)
         if self.compilation.pads or self.compilation.compiles:
             self.warmup()
+        if self.config.cache_config.calculate_kv_scales:  # after warmup: its padding writes nothing, scales come
+            head = getattr(self.proposer, "head", None)  # from real K/V (EAGLE-3's head has its own layers)
+            layers = attention_modules(self.model) + (attention_modules(head) if isinstance(head, nn.Module) else [])
+            kv_scales.arm(layers, lambda x: self.groups.pcp.all_reduce_max(self.groups.tp.all_reduce_max(x)))
 
     @torch.inference_mode()
     def warmup(self) -> None:

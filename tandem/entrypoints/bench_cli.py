@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from tandem.entrypoints.engine_args import EngineArgs
@@ -94,6 +95,16 @@ def _resolve_model(args: argparse.Namespace) -> None:
     args.model = str(random_model_folder(args.random_model, RANDOM_MODEL_DIR))
 
 
+def emit(report: str, results_json: Callable[[], str], args: argparse.Namespace,
+         plot: Callable[[str], str] | None = None) -> None:
+    """How every `tandem bench` subcommand ends: the report, then --output-json and --plot when asked for."""
+    print(report)
+    if args.output_json:
+        Path(args.output_json).write_text(results_json() + "\n")
+    if plot is not None and getattr(args, "plot", None):
+        print(f"plot: {plot(args.plot)}")
+
+
 def run_prefill(args: argparse.Namespace) -> int:
     from tandem.bench import offline, prefill
 
@@ -104,11 +115,7 @@ def run_prefill(args: argparse.Namespace) -> int:
                                  args.vs)
     _resolve_model(args)
     result = prefill.run_prefill(EngineArgs.from_cli_args(args), bench)
-    print(prefill.report(result))
-    if args.output_json:
-        Path(args.output_json).write_text(offline.results_json(result) + "\n")
-    if args.plot:
-        print(f"plot: {prefill.plot(result, args.plot)}")
+    emit(prefill.report(result), lambda: offline.results_json(result), args, lambda f: prefill.plot(result, f))
     mismatched = prefill.mismatched_first_tokens(result)
     if mismatched:
         print(f"tandem bench prefill: the first token differs from PCP=1's at {', '.join(mismatched)}", file=sys.stderr)
@@ -124,11 +131,7 @@ def run_decode(args: argparse.Namespace) -> int:
                                args.max_tokens, args.repeats, args.threads_per_rank)
     _resolve_model(args)
     result = decode.run_decode(EngineArgs.from_cli_args(args), bench)
-    print(decode.report(result))
-    if args.output_json:
-        Path(args.output_json).write_text(offline.results_json(result) + "\n")
-    if args.plot:
-        print(f"plot: {decode.plot(result, args.plot)}")
+    emit(decode.report(result), lambda: offline.results_json(result), args, lambda f: decode.plot(result, f))
     return 0
 
 
@@ -139,9 +142,7 @@ def run_profile(args: argparse.Namespace) -> int:
         raise ValueError("-tp and -pcp are not allowed here: the profile times one rank in this process")
     batch_sizes = _positive_list("--batch-sizes", args.batch_sizes)
     result = profile.run_profile(EngineArgs.from_cli_args(args), batch_sizes, args.max_tokens)
-    print(profile.report(result))
-    if args.output_json:
-        Path(args.output_json).write_text(offline.results_json(result) + "\n")
+    emit(profile.report(result), lambda: offline.results_json(result), args)
     return 0
 
 

@@ -250,9 +250,7 @@ def _bench_offline(args: argparse.Namespace) -> int:
 
     result = offline.run_offline(EngineArgs.from_cli_args(args), args.num_prompts, args.max_tokens, args.input_len,
                                  args.vs, args.hf_batch_size, args.repeats)
-    print(offline.report(result))
-    if args.output_json:
-        Path(args.output_json).write_text(offline.results_json(result) + "\n")
+    bench_cli.emit(offline.report(result), lambda: offline.results_json(result), args)
     return 0
 
 
@@ -268,9 +266,7 @@ def _bench_spec(args: argparse.Namespace) -> int:
                            args.num_prompts or max(args.batch_sizes), args.max_tokens, args.repeats, args.vs,
                            args.vllm_eager)
     result = spec.run_spec(EngineArgs.from_cli_args(args), bench)
-    print(spec_report.report(result))
-    if args.output_json:
-        Path(args.output_json).write_text(offline.results_json(result) + "\n")
+    bench_cli.emit(spec_report.report(result), lambda: offline.results_json(result), args)
     return 0
 
 
@@ -297,11 +293,8 @@ def _bench_serve(args: argparse.Namespace) -> int:
     except RuntimeError as e:  # a server that is down, answers an error or fails a stream; a failed HF peer
         print(f"tandem bench serve: {e}", file=sys.stderr)
         return 1
-    print(serve.report(bench["results"]))
-    if args.output_json:
-        Path(args.output_json).write_text(serve.results_json(bench) + "\n")
-    if args.plot:
-        print(f"plot: {serve.plot_concurrency(bench, _served_model_name(args), args.plot)}")
+    bench_cli.emit(serve.report(bench["results"]), lambda: serve.results_json(bench), args,
+                   lambda f: serve.plot_concurrency(bench, _served_model_name(args), f))
     return 0
 
 

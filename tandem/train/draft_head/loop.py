@@ -103,7 +103,7 @@ def train(head: DraftHead, embed: torch.Tensor, store: FeatureStore, vocab: Draf
                     "tokens_seen": tokens_seen}, out / "checkpoint.tmp")
         (out / "checkpoint.tmp").rename(ckpt_path)
 
-    start, first_step = time.time(), step
+    start, first_step, planned = time.time(), step, len(plan)
     bar = tqdm(total=total, initial=step, desc="draft head")
     while step < total and time.time() < cfg.deadline:
         lr = lr_at(step, total, cfg.lr)
@@ -119,11 +119,12 @@ def train(head: DraftHead, embed: torch.Tensor, store: FeatureStore, vocab: Draf
         step += 1
         tokens_seen += batch.num_tokens
         bar.update(1)
-        if step - first_step == 10:
-            # fit the schedule to the time left (evaluations included at ~1 step each)
-            per_step = (time.time() - start) / 10
-            fits = step + int((cfg.deadline - time.time()) / per_step * 0.9)
-            if fits < total:
+        if step - first_step == 10 or (step - first_step) % cfg.eval_every == 0:
+            # fit the schedule to the time left at the pace so far (evaluations included at ~1 step each), again
+            # every evaluation: a machine that gets busier (or quieter) moves the end of the cosine, not past it
+            per_step = (time.time() - start) / (step - first_step)
+            fits = min(planned, step + int((cfg.deadline - time.time()) / per_step * 0.9))
+            if fits != total:
                 total = max(step + 1, fits)
                 log({"stage": "schedule", "seconds_per_step": round(per_step, 3), "total_steps": total})
                 bar.total = total

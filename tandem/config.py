@@ -23,6 +23,12 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
+def _env_native_kernels() -> bool:
+    from tandem import envs  # (tandem.envs imports this module for ConfigError)
+
+    return envs.native_kernels()
+
+
 class ConfigError(ValueError):
     """A configuration value is not allowed; the message names the field, the value and the choices."""
 
@@ -303,6 +309,8 @@ class CompilationConfig:
     mode: int | str = 0
     cudagraph_mode: str = "NONE"
     cudagraph_capture_sizes: tuple[int, ...] = ()
+    # tandem's native CPU kernels (tandem/native) for this engine; TANDEM_NATIVE_KERNELS=0 turns the default off
+    native_kernels: bool = field(default_factory=_env_native_kernels)
 
     @property
     def level(self) -> int:

@@ -96,10 +96,8 @@ def without_native_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def native_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The native CPU kernels serving a float32 model in this process (whatever dtype an earlier engine of this
-    worker set), and built: a machine that cannot build them fails here rather than skipping."""
+    """The native CPU kernels built and serving a float32 model outside an engine's step (engines make their own
+    model current for their steps): a machine that cannot build them fails here rather than skipping."""
     from tandem import native
 
-    monkeypatch.setitem(native._model, "dtype", torch.float32)
-    monkeypatch.setitem(native._model, "mla", False)
     assert native.enabled(), "the native CPU kernels build on this machine (g++ and ninja)"

@@ -131,7 +131,6 @@ def test_native_kernel_and_pytorch_paths_agree_on_fp8(tiny_checkpoints, monkeypa
     """The native kernel dequantizes the fp8 cache chunk by chunk; the PyTorch paths cast gathered keys: same
     tokens, log-probs within float32 rounding."""
     path = str(tiny_checkpoints(arch))
-    monkeypatch.setitem(native._model, "dtype", torch.float32)
     assert native.enabled(), "the native CPU kernels build on this machine"
     with_native = _generate(path, kv_cache_dtype=kv)
     monkeypatch.setitem(native._state, "ok", False)

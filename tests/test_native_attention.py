@@ -191,10 +191,34 @@ def test_bf16_models_use_the_kernel_unless_they_have_mla(tiny_checkpoints, arch,
     """bf16 GQA models run the kernel (their tokens stay within test_bf16_parity's tie rule); bf16 MLA keeps the
     PyTorch path (tandem/native/__init__.py says why); float32 runs it whatever the attention."""
     llm = LLM(str(tiny_checkpoints(arch)), dtype="bfloat16")
-    assert native.enabled() is served
+    with native.serving(llm.engine.executor.runner.native):
+        assert native.enabled() is served
     llm.shutdown()
-    native.use_for(torch.float32, mla=True)
-    assert native.enabled()
+    with native.serving(native.Serving(torch.float32, mla=True)):
+        assert native.enabled()
+
+
+def test_engines_in_one_process_keep_their_own_kernel_choice(tiny_checkpoints):
+    """Which kernels serve a model travels with its engine, not the process: a bf16 MLA engine (PyTorch paths) gives
+    the same tokens before and after a float32 engine (native kernels) starts beside it and runs; an engine whose
+    compilation_config turns the kernels off keeps them off beside one that uses them."""
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([6, 19, 33], vocab_size=500, seed=2)]
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+    def tokens(llm: LLM) -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+
+    mla_bf16 = LLM(str(tiny_checkpoints("deepseek_v3")), dtype="bfloat16", enable_prefix_caching=False)
+    alone = tokens(mla_bf16)
+    gqa_f32 = LLM(str(tiny_checkpoints("llama")), dtype="float32")
+    tokens(gqa_f32)
+    assert tokens(mla_bf16) == alone
+    off = LLM(str(tiny_checkpoints("llama")), dtype="float32", compilation_config={"native_kernels": False})
+    for llm, served in ((off, False), (gqa_f32, True)):
+        with native.serving(llm.engine.executor.runner.native):
+            assert native.enabled() is served
+    for llm in (mla_bf16, gqa_f32, off):
+        llm.shutdown()
 
 
 def test_a_build_lock_left_by_a_killed_build_is_removed(tmp_path, monkeypatch):

@@ -154,7 +154,7 @@ def test_bf16_rms_norm_and_residual_add_round_as_hugging_face(hidden: int,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     from tandem.layers.norm import RMSNorm
 
-    monkeypatch.setitem(native._model, "dtype", torch.bfloat16)
+    monkeypatch.setattr(native, "DEFAULT_SERVING", native.Serving(torch.bfloat16))
     gen = torch.Generator().manual_seed(hidden)
     norm = RMSNorm(hidden, eps=1e-5).bfloat16()
     norm.weight.data.copy_(torch.randn(hidden, generator=gen))
@@ -180,7 +180,7 @@ def test_bf16_rms_norm_and_residual_add_round_as_hugging_face(hidden: int,
 
 @pytest.mark.parametrize("inner", [1, 15, 16, 33, 1536])
 def test_bf16_silu_and_mul_rounds_as_pytorch(inner: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(native._model, "dtype", torch.bfloat16)
+    monkeypatch.setattr(native, "DEFAULT_SERVING", native.Serving(torch.bfloat16))
     gen = torch.Generator().manual_seed(inner)
     for rows in (1, 5, 64):
         gate_up = (torch.randn(rows, 2 * inner, generator=gen) * 6).bfloat16()
@@ -196,7 +196,7 @@ def test_bf16_silu_and_mul_rounds_as_pytorch(inner: int, monkeypatch: pytest.Mon
 @pytest.mark.parametrize("rotary_dim, head_dim", [(64, 64), (32, 64), (16, 72), (40, 40)])
 def test_bf16_rotary_is_the_pytorch_formula_to_the_bit(interleaved: bool, rotary_dim: int, head_dim: int,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(native._model, "dtype", torch.bfloat16)
+    monkeypatch.setattr(native, "DEFAULT_SERVING", native.Serving(torch.bfloat16))
     gen = torch.Generator().manual_seed(rotary_dim + head_dim + interleaved)
     rope = RotaryEmbedding(rotary_dim, 4096, 10000.0, interleaved=interleaved)
     for tokens in (1, 7, 300):

@@ -26,6 +26,10 @@ import sys
 import threading
 import time
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -61,19 +65,38 @@ STALE_BUILD_LOCK_S = 600.0
 NATIVE_DTYPES = (torch.float32,)
 NATIVE_DTYPES_WITHOUT_MLA = (torch.float32, torch.bfloat16)
 ELEMENTWISE_DTYPES = (torch.float32, torch.bfloat16)
-_model: dict[str, object] = {"dtype": torch.float32, "mla": False}
 
 
-def use_for(dtype: torch.dtype, mla: bool = False) -> None:
-    """The model runner's dtype, and whether any of its attention layers is latent (MLA): the kernel serves the
-    dtype when it is one of NATIVE_DTYPES (NATIVE_DTYPES_WITHOUT_MLA for a model without MLA)."""
-    _model["dtype"], _model["mla"] = dtype, mla
+@dataclass(frozen=True)
+class Serving:
+    """The model the kernels serve: its dtype, whether any attention layer is latent (MLA), and the engine's
+    `compilation_config.native_kernels`. Each engine's runner holds its own and makes it current for its steps
+    (`with serving(...)`), so two engines in one process (a float32 MLA model and a bf16 one) never share it."""
+
+    dtype: torch.dtype = torch.float32
+    mla: bool = False
+    on: bool = True
+
+
+DEFAULT_SERVING = Serving()  # what the kernels serve outside any engine's step
+_serving: ContextVar[Serving | None] = ContextVar("tandem_native_serving", default=None)
+
+
+@contextmanager
+def serving(model: Serving) -> Iterator[None]:
+    token = _serving.set(model)
+    try:
+        yield
+    finally:
+        _serving.reset(token)
 
 
 def enabled() -> bool:
-    """True when the kernel serves this process's model: its dtype is one of NATIVE_DTYPES (NATIVE_DTYPES_WITHOUT_MLA
-    for a model without MLA) and the kernel is built and loaded (built on the first call)."""
-    if _model["dtype"] not in (NATIVE_DTYPES if _model["mla"] else NATIVE_DTYPES_WITHOUT_MLA):
+    """True when the kernel serves the current model (`serving`; outside an engine's step, a float32 model): it is
+    on, its dtype is one of NATIVE_DTYPES (NATIVE_DTYPES_WITHOUT_MLA for a model without MLA), and the kernel is
+    built and loaded (built on the first call)."""
+    model = _serving.get() or DEFAULT_SERVING
+    if not model.on or model.dtype not in (NATIVE_DTYPES if model.mla else NATIVE_DTYPES_WITHOUT_MLA):
         return False
     if "ok" in _state:
         return _state["ok"]

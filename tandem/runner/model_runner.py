@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -29,6 +32,17 @@ from tandem.worker.input_batch import InputBuffers, global_attention_metadata, p
 from tandem.worker.kv_cache import allocate_kv_caches, attention_modules, bytes_per_block
 from tandem.worker.pcp_hooks import LocalBatch, make_pcp_hooks
 
+R = TypeVar("R")
+
+
+def serving_native(method: Callable[..., R]) -> Callable[..., R]:
+    """A runner method that runs the model: the native kernels serve this runner's model meanwhile."""
+    @functools.wraps(method)
+    def run(self: ModelRunner, *args: Any, **kwargs: Any) -> R:
+        with native.serving(self.native):
+            return method(self, *args, **kwargs)
+    return run
+
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, groups: ParallelGroups = SINGLE_RANK):
@@ -54,11 +68,15 @@ class ModelRunner:
         self.proposer: Proposer = build_proposer(config, self.model, self.draft_mode, self.backends)
         # oneDNN-packed weights on the CPU; compiled pieces get theirs from inductor's freezing
         prepack_linears(self.model, lm_head_only=self.compilation.compiles)
-        # which dtypes the native attention kernel serves depends on MLA (tandem/native/__init__.py)
-        native.use_for(config.model_config.dtype,
-                       mla=any(getattr(m, "kind", None) == MLAAttention.kind for m in self.model.modules()))
+        # the model the native kernels serve in this runner's steps; which dtypes they serve depends on MLA
+        # (tandem/native/__init__.py)
+        self.native = native.Serving(config.model_config.dtype,
+                                     mla=any(getattr(m, "kind", None) == MLAAttention.kind
+                                             for m in self.model.modules()),
+                                     on=self.compilation.native_kernels)
         if torch.device(self.device).type == "cpu":
-            native.enabled()  # a first build (about a minute) happens while the engine starts, not inside a generate
+            with native.serving(self.native):
+                native.enabled()  # a first build (about a minute) happens while the engine starts, not in a generate
         compile_model(self.model, self.compilation)
         # distributions the last proposal's drafts were sampled from, per request (probabilistic drafting)
         self.draft_probs: dict[str, torch.Tensor] = {}
@@ -106,6 +124,7 @@ class ModelRunner:
             kv_scales.arm(layers, lambda x: self.groups.pcp.all_reduce_max(self.groups.tp.all_reduce_max(x)))
 
     @torch.inference_mode()
+    @serving_native
     def warmup(self) -> None:
         """Run every capture size once, largest first, on padding only (no row: nothing is written or
         sampled), target then drafter as the selected draft mode runs it. Compiled pieces are compiled here.
@@ -122,6 +141,7 @@ class ModelRunner:
             self.warmed_up_sizes.append(size)
 
     @torch.inference_mode()
+    @serving_native
     def execute(self, plan: StepPlan) -> StepOutput:
         self._free(plan.finished_request_ids)
         self.grammar.admit(plan)

@@ -8,7 +8,6 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
-from torch import nn
 
 from tandem import native
 from tandem.attention import kv_scales
@@ -118,10 +117,9 @@ class ModelRunner:
         self.proposer.allocate_kv_cache(num_blocks * self.kv_pools, self.block_size, dtype, self.device)
         if self.compilation.pads or self.compilation.compiles:
             self.warmup()
-        if self.config.cache_config.calculate_kv_scales:  # after warmup: its padding writes nothing, scales come
-            head = getattr(self.proposer, "head", None)  # from real K/V (EAGLE-3's head has its own layers)
-            layers = attention_modules(self.model) + (attention_modules(head) if isinstance(head, nn.Module) else [])
-            kv_scales.arm(layers, lambda x: self.groups.pcp.all_reduce_max(self.groups.tp.all_reduce_max(x)))
+        if self.config.cache_config.calculate_kv_scales:  # after warmup (padding writes nothing): real K/V's scales
+            kv_scales.arm(attention_modules(self.model) + self.proposer.kv_layers(),
+                          lambda x: self.groups.pcp.all_reduce_max(self.groups.tp.all_reduce_max(x)))
 
     @torch.inference_mode()
     @serving_native

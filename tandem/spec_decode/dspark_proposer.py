@@ -89,6 +89,9 @@ class DSparkProposer:
         for attn in self.drafter.attention_layers():
             attn.kv_cache = torch.zeros(attn.kv_cache_shape(num_blocks, block_size), dtype=dtype, device=device)
 
+    def kv_layers(self) -> list[nn.Module]:
+        return []  # its context attention stores at scale 1 (docs/kv_cache_dtype.md)
+
     def free(self, request_ids: list[str]) -> None:
         pass
 

@@ -23,7 +23,7 @@ from tandem.spec_decode.layer_capture import LayerCapture
 from tandem.spec_decode.mtp_proposer import MTPProposer
 from tandem.spec_decode.proposer import TargetStep
 from tandem.worker.input_batch import InputBatch
-from tandem.worker.kv_cache import allocate_kv_caches, bytes_per_block
+from tandem.worker.kv_cache import allocate_kv_caches, attention_modules, bytes_per_block
 
 
 class Eagle3Proposer(MTPProposer):
@@ -48,6 +48,9 @@ class Eagle3Proposer(MTPProposer):
     def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: str) -> None:
         """The head's cache over the same block pool as the target: a token's slot is the target's."""
         allocate_kv_caches(self.head, self.backends, num_blocks, block_size, dtype, device)
+
+    def kv_layers(self) -> list[nn.Module]:
+        return list(attention_modules(self.head))
 
     def _take(self, step: TargetStep) -> None:
         """This step's aux states from the target forward that just ran (a stale capture is never reused)."""

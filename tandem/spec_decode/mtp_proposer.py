@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from tandem.attention.backend import AttentionBackend
 from tandem.attention.batch import PAD_SLOT_ID, AttentionBatch, KVShard
@@ -51,6 +52,9 @@ class MTPProposer:
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: str) -> None:
         pass  # allocated with the target's layers
+
+    def kv_layers(self) -> list[nn.Module]:
+        return []  # the MTP layers' attention modules are the target model's
 
     def free(self, request_ids: list[str]) -> None:
         self.deferred.free(request_ids)

@@ -2,6 +2,7 @@
 
 The model runner calls the same four hooks whatever the drafter is (DESIGN §4):
     kv_bytes_per_block / allocate_kv_cache   the drafter's own KV, sharing the target's block pool
+    kv_layers()                              the attention layers owning that KV (fp8 scale calibration)
     warmup(step, k)                          one capture size, padding only
     observe(step)                            every step, right after the target forward (context writes)
     propose(step, emitted, k) -> Proposal    K drafts per sampling row for the next step
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+from torch import nn
 
 from tandem.step_plan import StepPlan
 from tandem.worker.input_batch import InputBatch
@@ -58,6 +60,8 @@ class Proposer(Protocol):
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: str) -> None: ...
 
+    def kv_layers(self) -> list[nn.Module]: ...
+
     def warmup(self, step: TargetStep, k: int) -> None: ...
 
     def observe(self, step: TargetStep) -> None: ...
@@ -75,6 +79,9 @@ class NoProposer:
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: str) -> None:
         pass
+
+    def kv_layers(self) -> list[nn.Module]:
+        return []
 
     def warmup(self, step: TargetStep, k: int) -> None:
         pass

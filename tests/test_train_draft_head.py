@@ -285,8 +285,8 @@ def test_init_from_continues_where_the_head_left_off(trained, tmp_path):
         shutil.copytree(work / part, warm_work / part)
     rc = cli_main(["train", "draft-head", str(target), "--out", str(tmp_path / "head"), "--work", str(warm_work),
                    "--gsm8k", str(work.parent / "train.jsonl"), "--num-prompts", "16", "--max-tokens", "24",
-                   "--draft-vocab-size", "256", "--epochs", "1", "--batch-tokens", "512", "--lr", "1e-5",
-                   "--threads", "1", "--init-from", str(out)])
+                   "--draft-vocab-size", "256", "--epochs", "20", "--batch-tokens", "512", "--lr", "1e-5",
+                   "--threads", "1", "--init-from", str(out), "--max-steps", "3"])
     assert rc == 0
     first = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     warm = [json.loads(line) for line in (warm_work / "train_log.jsonl").read_text().splitlines()]
@@ -295,6 +295,7 @@ def test_init_from_continues_where_the_head_left_off(trained, tmp_path):
     trained_end = [r for r in first if "eval_loss" in r][-1]["eval_loss"]
     warm_start = [r for r in warm if "eval_loss" in r][0]["eval_loss"]
     assert warm_start == pytest.approx(trained_end, rel=0.03), (fresh_start, trained_end, warm_start)
+    assert [r["step"] for r in warm if r["stage"] == "eval"][-1] == 3, "--max-steps 3 ends the schedule at step 3"
 
 
 def test_init_from_a_head_of_another_target_is_refused(trained, tmp_path):
@@ -311,3 +312,4 @@ def test_init_from_a_head_of_another_target_is_refused(trained, tmp_path):
     rc = cli_main(["train", "draft-head", str(trained[0]), "--out", str(tmp_path / "h"),
                    "--init-from", str(tmp_path / "missing")])
     assert rc == 2
+    assert cli_main(["train", "draft-head", str(trained[0]), "--out", str(tmp_path / "h"), "--max-steps", "0"]) == 2

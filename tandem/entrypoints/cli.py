@@ -182,6 +182,9 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,
                    help="bf16 autocast for the target's feature pass and the head's training matmuls "
                         "(weights and optimizer stay float32)")
+    d.add_argument("--max-steps", type=int, default=None,
+                   help="optimizer steps at most: the schedule's length when shorter than --epochs' (reproduces a run "
+                        "that --max-hours cut)")
     d.add_argument("--init-from", default=None,
                    help="a trained head folder to continue from (same target; its vocabulary rows are mapped)")
 
@@ -198,7 +201,7 @@ def run_train(args: argparse.Namespace) -> int:
         magpie_share=args.magpie_share, max_tokens=args.max_tokens, draft_vocab_size=args.draft_vocab_size,
         ttt_steps=args.ttt_steps, epochs=args.epochs, batch_tokens=args.batch_tokens, lr=args.lr, seed=args.seed,
         threads=args.threads, max_hours=args.max_hours, bf16=args.bf16,
-        init_from=Path(args.init_from) if args.init_from else None)))
+        init_from=Path(args.init_from) if args.init_from else None, max_steps=args.max_steps)))
     return 0
 
 

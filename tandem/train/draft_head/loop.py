@@ -35,6 +35,7 @@ class LoopConfig:
     bf16: bool = True  # autocast: bf16 matmuls ran ~2.8x faster than fp32 on the 2-core AVX512-BF16 EPYC
     checkpoint_every: int = 25
     eval_every: int = 40
+    max_steps: int | None = None  # the schedule's length when shorter than the epochs' (a run to reproduce)
 
 
 def split(num_sequences: int, seed: int) -> tuple[list[int], list[int]]:
@@ -79,6 +80,7 @@ def train(head: DraftHead, embed: torch.Tensor, store: FeatureStore, vocab: Draf
     eval_batches = batches(store, eval_idx, cfg.batch_tokens, None)
     plan = [b for epoch in range(cfg.epochs)
             for b in batches(store, train_idx, cfg.batch_tokens, random.Random(cfg.seed * 1000 + epoch))]
+    plan = plan[:cfg.max_steps]
     to_draft = vocab.to_draft()
 
     def held_out() -> dict[str, float]:

@@ -44,6 +44,7 @@ class DraftHeadArgs:
     max_hours: float = 24.0
     bf16: bool = True
     init_from: Path | None = None  # a trained head folder to continue from
+    max_steps: int | None = None  # optimizer steps at most (the schedule's length when shorter than the epochs')
 
     def validate(self, target_vocab_size: int) -> None:
         checks = [("num_prompts", self.num_prompts >= 1, "at least 1"),
@@ -53,7 +54,8 @@ class DraftHeadArgs:
                    f"1 to the target's vocab_size {target_vocab_size}"),
                   ("ttt_steps", 1 <= self.ttt_steps <= 8, "1 to 8"), ("epochs", self.epochs >= 1, "at least 1"),
                   ("batch_tokens", self.batch_tokens >= 16, "at least 16"), ("lr", self.lr > 0, "above 0"),
-                  ("max_hours", self.max_hours > 0, "above 0")]
+                  ("max_hours", self.max_hours > 0, "above 0"),
+                  ("max_steps", self.max_steps is None or self.max_steps >= 1, "at least 1")]
         if self.init_from is not None:
             checks.append(("init_from", (self.init_from / "model.safetensors").is_file()
                            and (self.init_from / "config.json").is_file(),
@@ -149,7 +151,7 @@ def run(args: DraftHeadArgs) -> Path:
         log({"stage": "init_from", "head": str(args.init_from), "lm_head_rows_copied": rows})
     deadline = started + args.max_hours * 3600 - 120  # two minutes kept for the export
     cfg = LoopConfig(epochs=args.epochs, batch_tokens=args.batch_tokens, lr=args.lr, num_steps=args.ttt_steps,
-                     seed=args.seed, deadline=deadline, bf16=args.bf16)
+                     seed=args.seed, deadline=deadline, bf16=args.bf16, max_steps=args.max_steps)
     train(head, embed, FeatureStore(stems), vocab, cfg, args.work, log)
 
     save_head(head, vocab, eagle3_config(raw, shape), args.out)

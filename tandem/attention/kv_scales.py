@@ -45,6 +45,11 @@ def written_amax(ctx: ForwardContext, new_kv: torch.Tensor, splits: list[int],
     return amax[:-1] if amax[-1] > 0 else None
 
 
-def scale_from(amax: float, constant: float) -> float:
-    """amax / constant; 1.0 for an all-zero part (nothing to scale)."""
-    return amax / constant if amax > 0 else 1.0
+def calibrated(ctx: ForwardContext, new_kv: torch.Tensor, splits: list[int], constants: list[float],
+               reduce_max: ReduceMax) -> list[float] | None:
+    """The scales of new_kv's parts (`splits` widths; amax / the part's constant, 1.0 for an all-zero part) from
+    every rank's written rows, or None when no rank wrote (the layer stays armed)."""
+    amax = written_amax(ctx, new_kv, splits, reduce_max)
+    if amax is None:
+        return None
+    return [a / c if a > 0 else 1.0 for a, c in zip(amax.tolist(), constants, strict=True)]

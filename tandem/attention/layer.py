@@ -45,12 +45,11 @@ class Attention(nn.Module):
         ctx = get_forward_context()
         t = q.shape[0]
         if self.kv_scale_calibration is not None:
-            amax = kv_scales.written_amax(ctx, torch.cat((k, v), dim=-1), [k.shape[-1], v.shape[-1]],
+            scales = kv_scales.calibrated(ctx, torch.cat((k, v), dim=-1), [k.shape[-1], v.shape[-1]],
+                                          [kv_scales.K_SCALE_CONSTANT, kv_scales.V_SCALE_CONSTANT],
                                           self.kv_scale_calibration)
-            if amax is not None:
-                self.k_scale = kv_scales.scale_from(amax[0].item(), kv_scales.K_SCALE_CONSTANT)
-                self.v_scale = kv_scales.scale_from(amax[1].item(), kv_scales.V_SCALE_CONSTANT)
-                self.kv_scale_calibration = None
+            if scales is not None:
+                (self.k_scale, self.v_scale), self.kv_scale_calibration = scales, None
         k, v = to_cache(k, self.kv_cache.dtype, self.k_scale), to_cache(v, self.kv_cache.dtype, self.v_scale)
         scale = self.scale * self.k_scale
         if ctx.gathers_kv:  # one gather for K and V: under PCP every rank writes every rank's prefill K/V
@@ -122,10 +121,10 @@ class MLAAttention(nn.Module):
                              w_kv_b=kv_b_weight, kept=self.kept_prefix)
         entries = torch.cat((kv_c, k_pe), dim=-1)  # [T, L + rope]
         if self.kv_scale_calibration is not None:
-            amax = kv_scales.written_amax(ctx, entries, [entries.shape[-1]], self.kv_scale_calibration)
-            if amax is not None:
-                self.k_scale = kv_scales.scale_from(amax[0].item(), kv_scales.K_SCALE_CONSTANT)
-                self.kv_scale_calibration = None
+            scales = kv_scales.calibrated(ctx, entries, [entries.shape[-1]], [kv_scales.K_SCALE_CONSTANT],
+                                          self.kv_scale_calibration)
+            if scales is not None:
+                (self.k_scale,), self.kv_scale_calibration = scales, None
         entries = to_cache(entries, self.kv_cache.dtype, self.k_scale)
         entries = ctx.gather_kv(entries)  # [T (or P * max_local under PCP), L + rope]
         meta, backend, exchange = ctx.metadata(self.kind), ctx.backends[self.kind], ctx.kv_exchange

@@ -119,9 +119,10 @@ def warm_start(head: DraftHead, vocab: DraftVocab, folder: Path, target_vocab_si
                              f"this target needs {want}")
     old_rows = old_vocab.to_draft()[vocab.target_ids]  # [draft_vocab] old draft id per new one, -1 if absent
     kept = old_rows >= 0
+    sources = dict(old.named_parameters())
     with torch.no_grad():
         for name, p in head.named_parameters():
-            src = dict(old.named_parameters())[name]
+            src = sources[name]
             if name == "lm_head.weight":
                 p[kept] = src[old_rows[kept]]
             else:

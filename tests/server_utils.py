@@ -3,6 +3,7 @@ signals and dead ranks), on a free loopback port; and the process tree of a serv
 
 from __future__ import annotations
 
+import random
 import socket
 import subprocess
 import sys
@@ -20,10 +21,31 @@ from tandem.entrypoints.openai.limits import ServerLimits
 from tandem.entrypoints.openai.tool_calls import ToolServing
 
 
+def _ephemeral_range() -> range:
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now and outside the kernel's ephemeral range. A port from bind(0) is ephemeral, so an
+    outgoing connection (a gloo rank's, another test's) can take it before the server binds it: CI lost a run to
+    exactly that ("address already in use")."""
+    ephemeral = _ephemeral_range()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32768)
+        if port in ephemeral:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free loopback port below the ephemeral range")
 
 
 def wait_healthy(url: str, proc: subprocess.Popen | None = None, tries: int = 600) -> None:
@@ -60,18 +82,26 @@ def server_in_thread(args: EngineArgs, name: str, limits: ServerLimits | None = 
         engine.shutdown()
 
 
-def serve_subprocess(model: str, *flags: str) -> tuple[subprocess.Popen, str]:
-    """`tandem serve MODEL FLAGS` in its own process, up and healthy; the caller stops it."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tandem.entrypoints.cli", "serve", model, "--dtype", "float32",
-                             "--port", str(port), *flags], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc)
-    except BaseException:
-        proc.kill()
-        raise
-    return proc, url
+def serve_subprocess(model: str, *flags: str, tries: int = 3) -> tuple[subprocess.Popen, str]:
+    """`tandem serve MODEL FLAGS` in its own process, up and healthy; the caller stops it. A port taken between
+    choosing and binding it (by another test's server) is retried on a fresh port; any other failure is raised."""
+    for attempt in range(tries):
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "tandem.entrypoints.cli", "serve", model, "--dtype", "float32",
+                                 "--port", str(port), *flags], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(url, proc)
+        except AssertionError as e:
+            proc.kill()
+            if "address already in use" in str(e) and attempt + 1 < tries:
+                continue
+            raise
+        except BaseException:
+            proc.kill()
+            raise
+        return proc, url
+    raise AssertionError("unreachable")
 
 
 def children(pid: int) -> list[int]:

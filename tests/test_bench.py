@@ -6,10 +6,9 @@ of its log; continuous batching only for non-MLA checkpoints; prefix caching off
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
-from server_utils import server_in_thread
+from server_utils import free_port, server_in_thread
 
 from tandem.bench import hf_peer, offline
 from tandem.entrypoints import cli
@@ -77,9 +76,7 @@ def test_bad_flag_exits_2_naming_it(argv, flag, capsys):
 
 
 def test_serve_against_a_server_that_is_down_exits_1_naming_it(capsys):
-    with socket.socket() as s:  # a port nothing listens on once closed
-        s.bind(("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    url = f"http://127.0.0.1:{free_port()}"  # a port nothing listens on
     assert cli.main(["bench", "serve", "--url", url, "--num-prompts", "1"]) == 1
     err = capsys.readouterr().err
     assert url in err, err

@@ -3,13 +3,7 @@ with no drafter, with the MTP drafter sharded (its step 0 on each rank's DualChu
 replicated (every rank runs step 0 over the whole prompt), in one run; draft prefill time = rank 0's wall time in
 the drafter's hooks (StepOutput.draft_s), printed beside TTFT with the drafter - TTFT without it (which also
 holds engine-to-engine noise of ~0.1 s on the 2-core dev machine). Also prints the bytes each mode moves over the
-PCP group, and the predicted draft prefill of both modes (cost_model.predict_draft_prefill_s):
-  "target terms":      the target's per-token and per-key terms fitted from target-only prefills at p/2 and p
-                       (their steps' wall time in executor.execute), per layer; replicated = P x that per
-                       token and per key (dense block keys)
-  "+ timed backend":   the replicated per-key term replaced by the replicated backend's own cost per dense key,
-                       ContiguousMLABackend.forward_mla timed at the prompt's shape on P threads at once
-                       (replicated_attention_s); the sharded prediction is the same in both columns
+PCP group.
 
     .venv/bin/python benchmarks/draft_modes.py --prompt-len 2048 8192 --repeats 7
 
@@ -40,7 +34,6 @@ import json
 import os
 import shutil
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -51,13 +44,6 @@ import torch
 from tandem.assets import DEFAULT_DSPARK, DEFAULT_MODEL
 from tandem.bench.machine import machine_info
 from tandem.bench.prompts import random_token_ids
-from tandem.engine.spec_cost_model import (
-    DRAFT_MODES,
-    draft_prefill_features,
-    draft_prefill_terms_from_target,
-    fit_prefill_terms,
-    predict_draft_prefill_s,
-)
 from tandem.spec_decode.dspark_context import CONTEXT_KV_ENV
 from tandem.step_plan import StepOutput, StepPlan
 from tandem.worker.pcp import partition
@@ -129,64 +115,13 @@ def dspark_context_s(prompt_len: int, pcp: int, repeats: int) -> dict[str, float
     return best
 
 
-@torch.inference_mode()
-def replicated_attention_s(config: dict, prompt_len: int, chunk: int, pcp: int, repeats: int) -> float:
-    """Seconds of the replicated drafter's attention (ContiguousMLABackend.forward_mla: the dense block of each
-    chunk, its mask, gather and cache write) over one prompt, as all P ranks run it at once: P threads of one
-    intra-op thread each (the kernels release the GIL), the slowest thread's time, best of `repeats` after a
-    warm-up round. Random
-    latents and weights of the bundled model's shapes: time, not values."""
-    from tandem.attention.backends.contiguous import ContiguousMLABackend
-    from tandem.attention.batch import AttentionBatch
-    from tandem.attention.mla import MLAUpProjection
-
-    heads, lora, rope = config["num_attention_heads"], config["kv_lora_rank"], config["qk_rope_head_dim"]
-    nope, v, block = config["qk_nope_head_dim"], config["v_head_dim"], 16
-    up = MLAUpProjection(0.05 * torch.randn(heads, nope, lora), 0.05 * torch.randn(heads, v, lora))
-    num_blocks = -(-prompt_len // block)
-    table = torch.arange(num_blocks, dtype=torch.int32)[None]  # [1, num_blocks]
-
-    def prefill() -> None:
-        cache = torch.zeros(num_blocks, block, lora + rope)  # [blocks, block, L + R] this rank's MTP layer cache
-        for start in range(0, prompt_len, chunk):
-            n = min(chunk, prompt_len - start)
-            meta = ContiguousMLABackend.prepare_metadata(AttentionBatch(
-                positions=torch.arange(start, start + n), query_start_loc_cpu=torch.tensor([0, n], dtype=torch.int32),
-                seq_lens_cpu=torch.tensor([start + n], dtype=torch.int32), block_table=table, block_size=block,
-                write_rows=torch.arange(n), write_slots=torch.arange(start, start + n)))
-            ContiguousMLABackend.forward_mla(torch.randn(n, heads, nope), torch.randn(n, heads, rope),
-                                             torch.randn(n, lora + rope), cache, meta, (nope + rope) ** -0.5, up)
-
-    # persistent rank threads, one warm-up round (a fresh thread's malloc arena page-faults every large buffer)
-    walls = [[0.0] * pcp for _ in range(repeats + 1)]  # [round][rank]
-    barrier = threading.Barrier(pcp)
-
-    def rank(r: int) -> None:
-        for round_ in walls:
-            barrier.wait()
-            start = time.perf_counter()
-            prefill()
-            round_[r] = time.perf_counter() - start
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    ranks = [threading.Thread(target=rank, args=(r,)) for r in range(pcp)]
-    for t in ranks:
-        t.start()
-    for t in ranks:
-        t.join()
-    torch.set_num_threads(threads)
-    best = min(max(round_) for round_ in walls[1:])
-    return best
-
-
 class Timing(NamedTuple):
     ttft_s: float  # best of the repeats
     draft_mode: str
     context_gather_bytes: float  # DSpark's counter for one prefill of the prompt
     rank0_draft_s: float  # best of the repeats: rank 0's wall seconds in the drafter's hooks (StepOutput.draft_s)
-    step_s: float  # best of the repeats: wall seconds in executor.execute (the steps, as the "auto" policy times
-    #                them), without the engine's request handling and output work that TTFT also holds
+    step_s: float  # best of the repeats: wall seconds in executor.execute, without the engine's request handling
+    #                and output work that TTFT also holds
 
 
 def ttft(model: Path, prompts: list[list[int]], pcp: int, budget: int, spec: dict | None, repeats: int,
@@ -266,52 +201,32 @@ def main_dspark(args: argparse.Namespace, model: Path, ids: list[int]) -> dict:
 
 
 def main_mtp(args: argparse.Namespace, model: Path, config: dict) -> dict:
-    """Each mode's engine prefills every asked length p (the target alone also p/2); the prediction at p comes from
-    the target's terms (target-only prefills at p/2 and p) and, for the replicated mode, its backend's attention
-    timed at p."""
+    """Each mode's engine prefills every asked length p."""
     budget, pcp = args.max_num_batched_tokens, args.pcp_size
     ids = random_token_ids(config["vocab_size"], max(args.prompt_len), 0)
-    runs = {}
-    for name, spec in MODES.items():  # the target alone also at p/2: its per-token and per-key terms need two
-        lengths = sorted({n for p in args.prompt_len for n in ((p // 2, p) if spec is None else (p,))})
-        runs[name] = dict(zip(lengths, ttft(model, [ids[:n] for n in lengths], pcp, budget, spec, args.repeats),
-                              strict=True))
+    runs = {name: dict(zip(args.prompt_len, ttft(model, [ids[:n] for n in args.prompt_len], pcp, budget, spec,
+                                                 args.repeats), strict=True)) for name, spec in MODES.items()}
     points = {}
     for p in args.prompt_len:
         base = runs["no drafter"][p].ttft_s
-        # the target's own steps: TTFT also holds the engine's request handling, ~0.1-0.3 s of noise at 2k here
-        target = fit_prefill_terms([(n, runs["no drafter"][n].step_s) for n in (p // 2, p)], budget)
-        a_priori = draft_prefill_terms_from_target(target, config["num_hidden_layers"], pcp)
-        attention_s = replicated_attention_s(config, p, budget, pcp, args.repeats)
-        per_key = attention_s / draft_prefill_features("replicated", p, budget)[1]
-        predicted = {"target terms": predict_draft_prefill_s(a_priori, p, budget),
-                     "+ timed backend": predict_draft_prefill_s(
-                         draft_prefill_terms_from_target(target, config["num_hidden_layers"], pcp, per_key), p, budget)}
         rows = {name: {"ttft_s": r[p].ttft_s, "draft_mode": r[p].draft_mode,
                        "ttft_minus_none_s": r[p].ttft_s - base, "rank0_draft_s": r[p].rank0_draft_s,
                        "extra_gather_bytes": extra_bytes(config, p, budget, pcp, name)} for name, r in runs.items()}
-        print(f"\nprompt {p} tokens, PCP={pcp}; replicated attention timed on {pcp} threads: {attention_s:.3f} s "
-              f"({1e9 * per_key:.1f} ns per dense key)\n{'mode':>12}{'TTFT s':>9}{'TTFT - none s':>15}"
-              f"{'drafter s':>11}{'predicted (target terms)':>26}{'predicted (+ timed backend)':>29}"
+        print(f"\nprompt {p} tokens, PCP={pcp}\n{'mode':>12}{'TTFT s':>9}{'TTFT - none s':>15}{'drafter s':>11}"
               f"{'extra bytes gathered':>22}")
         for name, r in rows.items():
-            cells = "".join(f"{d[name]:>{w - 8}.3f} ({d[name] / max(r['rank0_draft_s'], 1e-9):.2f}x)"
-                            if name in d else f"{'-':>{w}}" for d, w in zip(predicted.values(), (26, 29), strict=True))
-            print(f"{name:>12}{r['ttft_s']:>9.2f}{r['ttft_minus_none_s']:>15.3f}{r['rank0_draft_s']:>11.3f}{cells}"
+            print(f"{name:>12}{r['ttft_s']:>9.2f}{r['ttft_minus_none_s']:>15.3f}{r['rank0_draft_s']:>11.3f}"
                   f"{r['extra_gather_bytes']:>22,}")
-            if name in DRAFT_MODES:
-                r |= {"predicted_target_terms_s": predicted["target terms"][name],
-                      "predicted_s": predicted["+ timed backend"][name]}
         ratio = rows["sharded"]["rank0_draft_s"] / max(rows["replicated"]["rank0_draft_s"], 1e-9)
         print(f"sharded / replicated drafter time = {ratio:.2f} (expect <= 0.6)")
-        points[str(p)] = {"rows": rows, "sharded_over_replicated": ratio, "replicated_attention_s": attention_s}
+        points[str(p)] = {"rows": rows, "sharded_over_replicated": ratio}
     return {"points": points, "per_length": {name: {n: t._asdict() for n, t in r.items()} for name, r in runs.items()}}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt-len", type=int, nargs="+", default=[8192],
-                   help="mtp: one or more lengths p (each also prefills p/2); dspark: one length")
+                   help="mtp: one or more lengths; dspark: one length")
     p.add_argument("--pcp-size", type=int, default=2)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--repeats", type=int, default=7,

@@ -17,8 +17,7 @@ Beside best-against-best, the verdict prints "paired" figures: the median over r
 config's in the same round (the minimum over configs is "paired best"), and the twin's paired offset, with a verdict
 of their own (the machine's fast and slow phases can give each config its best round in a different phase, so
 best-of-rounds compares machine states; the paired median compares engines within each round).
-"auto" also reports the K it chose (histogram over all its steps) and its predicted / realised emitted tokens,
-and the K of its timed steps split into full batch / batch tail / new batch (k_by_rows).
+"auto" also reports the K it chose (histogram over all its steps).
 
 NOISE: a second no-spec engine ("twin", built last, so any cost of being built after a dozen engines falls on it)
 runs the same work; |1 - twin / no-spec| is the point's noise, and a miss of the aim by no more than that is
@@ -42,7 +41,6 @@ from tandem import LLM, SamplingParams
 from tandem.assets import DEFAULT_DSPARK, DEFAULT_MODEL
 from tandem.bench.machine import machine_info
 from tandem.data.gsm8k import STOP_STRINGS
-from tandem.engine.spec_policy import RunningRow, SpecPolicy
 from tandem.tokenizer import Tokenizer
 
 
@@ -83,13 +81,9 @@ def run_point(model: str, configs: dict[str, dict | None], texts: list[str], arg
     best = dict.fromkeys(engines, float("inf"))
     rounds: dict[str, list[float]] = {name: [] for name in engines}  # tok/s of each round
     tokens: dict[str, int] = {}
-    traces: dict[str, list[Choice]] = {}
     try:
         for llm in engines.values():
             llm.generate(texts, params, use_tqdm=False)  # warm-up: fills the prefix cache, "auto" starts learning
-        for name, llm in engines.items():
-            if llm.engine.policy is not None:
-                traces[name] = trace_choices(llm.engine.policy)
         for _ in range(args.repeats):
             walls = interleaved_round(engines, texts, params, args.interleave) if args.interleave else {}
             for name, llm in engines.items():
@@ -109,15 +103,7 @@ def run_point(model: str, configs: dict[str, dict | None], texts: list[str], arg
                 "mean_acceptance_length": metrics.get("tandem:spec_decode_mean_acceptance_length"),
                 # a drafter's KV shares the pool: where the batch does not fit, preemptions recompute prompts
                 "num_preemptions": metrics.get("tandem:num_preemptions"),
-                "chosen_k": metrics.get("tandem:spec_policy_chosen_k"),
-                "predicted_emitted": metrics.get("tandem:spec_policy_predicted_emitted_tokens"),
-                "realised_emitted": metrics.get("tandem:spec_policy_realised_emitted_tokens"),
-                "fitted_costs": {n.removeprefix("tandem:spec_policy_"): v for n, v in metrics.items()
-                                 if n.startswith("tandem:spec_policy_") and "_cost_" in n},
-                "k_by_rows": k_by_rows(traces[name], len(texts)) if name in traces else None,
-                "full_step_prices": price_summary(traces[name], len(texts)) if name in traces else None,
-                # every timed choice: (running rows, new batch, K, predicted seconds at each K, measured seconds)
-                "trace": traces.get(name)}
+                "chosen_k": metrics.get("tandem:spec_policy_chosen_k")}
         return results
     finally:
         for llm in engines.values():
@@ -153,56 +139,6 @@ def interleaved_round(engines: dict[str, LLM], texts: list[str], params: Samplin
                 walls[name] += time.perf_counter() - start
                 emitted[name] += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
         turn += 1
-
-
-# one choice of "auto": running rows, new batch, chosen K, predicted seconds at every K, measured step seconds
-Choice = tuple[int, bool, int, list[float], float]
-
-
-def trace_choices(policy: SpecPolicy) -> list[Choice]:
-    """Record every choice the policy makes from now on, with its prices and the step's measured wall time (filled
-    in when the step is reported): list appends, so the timed "auto" engine pays nothing measurable for them."""
-    trace: list[Choice] = []
-    choose, record_step = policy.choose, policy.record_step
-
-    def traced(running: list[RunningRow], new_batch: bool = False) -> int:
-        k = choose(running, new_batch)
-        trace.append((len(running), new_batch, k, policy.last_seconds.tolist(), float("nan")))
-        return k
-
-    def recorded(plan, output, step_s: float, draft_s: float, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        if trace:
-            trace[-1] = (*trace[-1][:4], step_s)
-        record_step(plan, output, step_s, draft_s, **kwargs)
-
-    policy.choose = traced  # type: ignore[method-assign]
-    policy.record_step = recorded  # type: ignore[method-assign]
-    return trace
-
-
-def price_summary(trace: list[Choice], batch: int) -> dict[str, list[float]]:
-    """Over the timed full-batch decode steps: the policy's mean predicted ms at each K, and the mean measured ms
-    of the steps it ran at each K (nan where it ran none): whether its ranking of K was right."""
-    full = [(k, prices, step_s) for rows, new_batch, k, prices, step_s in trace if not new_batch and 2 * rows > batch]
-    if not full:
-        return {}
-    predicted = np.mean([prices for _, prices, _ in full], axis=0) * 1e3
-    measured = [np.mean([s for k, _, s in full if k == j]) * 1e3 if any(k == j for k, _, _ in full) else float("nan")
-                for j in range(len(predicted))]
-    return {"predicted_ms": [round(float(x), 1) for x in predicted],
-            "measured_ms": [round(float(x), 1) for x in measured]}
-
-
-def k_by_rows(trace: list[Choice], batch: int) -> dict[str, list[int]]:
-    """Histograms of chosen K over the timed steps, split by where in a batch they fall: "full" (more than half the
-    batch's rows running), "tail" (at most half: the batch's last requests), "new batch" (the step that admits a
-    batch). Where a drafter's K = 0 steps fall says whether the policy misjudges full batches or only tails."""
-    out: dict[str, list[int]] = {"full": [], "tail": [], "new batch": []}
-    for rows, new_batch, k, _, _ in trace:
-        part = out["new batch" if new_batch else "full" if 2 * rows > batch else "tail"]
-        part.extend([0] * (k + 1 - len(part)))
-        part[k] += 1
-    return out
 
 
 def main() -> None:
@@ -302,15 +238,7 @@ def _print(r: dict, base: float) -> None:
     notes = f"preempted {r['num_preemptions']:.0f}; " if r.get("num_preemptions") else ""
     if r["chosen_k"] is not None:
         hist = " ".join(f"{k}:{int(n)}" for k, n in enumerate(r["chosen_k"]))
-        notes += (f"chosen K {hist}; emitted predicted {r['predicted_emitted']:.0f} / realised "
-                  f"{r['realised_emitted']:.0f}")
-        if r.get("k_by_rows"):
-            notes += "; timed steps " + ", ".join(f"{part} " + "/".join(map(str, h))
-                                                  for part, h in r["k_by_rows"].items() if h)
-        if r.get("full_step_prices"):
-            fp = r["full_step_prices"]
-            notes += (f"; full step ms predicted {'/'.join(map(str, fp['predicted_ms']))}, measured "
-                      f"{'/'.join(map(str, fp['measured_ms']))}")
+        notes += f"chosen K {hist}"
     print(f"{r['prompts']:<7} {r['batch']:>5} {r['drafter']:<7} {r['config']:<8} {r['tokens_per_s']:>8.1f} "
           f"{r['tokens_per_s'] / base:>9.2f}x {accept:>10}  {notes}")
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from tandem.engine.spec_policy import RunningRow, SpecPolicy
+from tandem.engine.spec_policy import SpecPolicy
 from tandem.layers.sampler import SamplingMetadata, keyed_uniform, processed_probs, sample
 from tandem.spec_decode.reference_verify import verify_one
 from tandem.spec_decode.rejection_sampler import ACCEPT_STREAM, DRAFT_STREAM, rejection_sample
@@ -252,11 +252,12 @@ def _verify_with_auto_k(target_logits: torch.Tensor, drafts: torch.Tensor, draft
     target_logits [3n, V], drafts [n, 2], draft_probs [2n, V] or None."""
     n = drafts.shape[0]
     logits, q = target_logits.view(n, 3, VOCAB), None if draft_probs is None else draft_probs.view(n, 2, VOCAB)
-    policy = SpecPolicy(2, explore_after=2)
+    policy = SpecPolicy(2)
+    policy.set_costs([STEP_ROWS], [[0.01 + 1e-5 * STEP_ROWS * (1 + k) + 0.002 * k for k in range(3)]])
     emitted, counts, ks = [], [], []
     for start in range(0, n, STEP_ROWS):
         idx = torch.arange(start, min(n, start + STEP_ROWS))
-        k = policy.choose([RunningRow("r", 100, 1)])
+        k = policy.choose(len(idx))
         ks.append(k)
         sub = _meta(meta.temperature[idx], meta.top_k[idx], meta.top_p[idx], meta.min_p[idx], meta.seeds[idx],
                     meta.positions[idx])
@@ -265,7 +266,7 @@ def _verify_with_auto_k(target_logits: torch.Tensor, drafts: torch.Tensor, draft
         rows = [ScheduledRow(f"r{i}", [0] * (k + 1), 100, [], False, _GREEDY, num_draft_tokens=k) for i in idx]
         plan = StepPlan(rows, num_spec_tokens=k)
         policy.record_step(plan, StepOutput(out, [None] * len(out), [[0] * k] * len(out)),
-                           0.01 + 1e-5 * plan.num_tokens + 0.002 * k, 0.002 * k)
+                           0.01 + 1e-5 * plan.num_tokens + 0.002 * k)
         emitted += out
         counts += list(c)
     assert len(set(ks)) >= 2, f"the policy never changed K ({ks}): the test would not cover a varying K"

@@ -14,17 +14,14 @@ from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.parallel_sampling import ParentRequest, child_id, child_params
 from tandem.engine.request import Request
 from tandem.engine.scheduler import Scheduler
-from tandem.engine.spec_calibration import calibrate
-from tandem.engine.spec_policy import SpecPolicy
+from tandem.engine.spec_policy import SpecPolicy, profile
 from tandem.executor.multiproc import MultiprocExecutor
 from tandem.executor.torchrun import TorchrunExecutor, launched_by_torchrun
 from tandem.executor.uniproc import UniprocExecutor
 from tandem.outputs import CompletionOutput, RequestOutput
 from tandem.sampling_params import SamplingParams
 from tandem.spec_decode.draft_mode import resolve_draft_mode
-from tandem.spec_decode.dspark_proposer import MAX_DEFERRED_CONTEXT_TOKENS
 from tandem.spec_decode.metrics import SpecDecodeStats
-from tandem.spec_decode.mtp_catch_up import MAX_DEFERRED_TOKENS, defers_at_k0
 from tandem.step_plan import STEP0_DEFERRED
 from tandem.structured_output.compiler import grammar_compiler
 from tandem.tokenizer import Tokenizer
@@ -50,7 +47,7 @@ class LLMEngine:
         try:
             self.scheduler = self._start(config)
         except BaseException:
-            self.executor.shutdown()  # the ranks started: a refused pool or a failed calibration must not leave them
+            self.executor.shutdown()  # the ranks started: a refused pool or a failed profile must not leave them
             raise
         self.requests: dict[str, Request] = {}
         self.parents: dict[str, ParentRequest] = {}  # parallel sampling (n > 1), by the parent's id
@@ -62,7 +59,7 @@ class LLMEngine:
         self._last_log, self._last_log_tokens = time.monotonic(), 0
 
     def _start(self, config: EngineConfig) -> Scheduler:
-        """What follows the ranks' start: the KV capacity check, the "auto" K policy and its calibration."""
+        """What follows the ranks' start: the KV capacity check, the "auto" K policy and its start-up profile."""
         # sharded PCP KV: every rank holds its own pool of num_kv_blocks; the scheduler sees all P pools
         pools = kv_pools(config)
         num_blocks = self.executor.num_kv_blocks * pools
@@ -81,18 +78,11 @@ class LLMEngine:
             logger.info("speculative decoding: %s, draft mode %s (%s)", self.spec.method, self.draft_mode.mode,
                         self.draft_mode.reason)
         self.spec_stats = SpecDecodeStats()
-        defers = defers_at_k0(self.spec.method, self.spec.auto, self.draft_mode.mode,
-                              config.parallel_config.prefill_context_parallel_size)
-        mtp = self.spec.method == "mtp"
-        self.policy = (SpecPolicy(self.spec.max_k, defers_step0=defers, costly_catch_up=mtp,
-                                  first_reads_shared_once=self.spec.method != "dspark",
-                                  max_deferred_tokens=MAX_DEFERRED_TOKENS if mtp else MAX_DEFERRED_CONTEXT_TOKENS,
-                                  block_size=config.cache_config.block_size)
-                       if self.spec.enabled and self.spec.auto else None)
+        self.policy = SpecPolicy(self.spec.max_k) if self.spec.enabled and self.spec.auto else None
         scheduler = Scheduler(config.scheduler_config, config.cache_config, config.model_config, num_blocks,
                                    self.spec, self.policy, num_kv_pools=pools)
-        if self.policy is not None:  # seed its cost models; the next plan frees the synthetic rows on every rank
-            scheduler.release(calibrate(self.policy, self.executor.execute, config, num_blocks))
+        if self.policy is not None:  # its step costs; the next plan frees the synthetic rows on every rank
+            scheduler.release(profile(self.policy, self.executor.execute, config, num_blocks))
         return scheduler
 
     def add_request(self, prompt: str | list[int], params: SamplingParams,
@@ -177,7 +167,7 @@ class LLMEngine:
                 if done is not None:
                     finished.append(done)
         if self.policy is not None:
-            self.policy.record_step(plan, output, time.perf_counter() - start, output.draft_s)
+            self.policy.record_step(plan, output, time.perf_counter() - start)
         return finished
 
     def _gather(self, output: RequestOutput) -> RequestOutput | None:
@@ -265,7 +255,7 @@ class LLMEngine:
         """"auto" with MTP: tokens whose step 0 waited for a drafting step (K = 0), and those it then caught up;
         with DSpark: tokens whose context write waited, and those written with a later step's."""
         names = DEFERRAL_METRICS.get(self.spec.method or "")
-        if names is None or self.policy is None or not self.policy.defers_step0:
+        if names is None or self.policy is None:
             return []
         stats = self.spec_stats.draft_stats
         return [Counter(names[0], stats.get(STEP0_DEFERRED, 0.0)), Counter(names[1], stats.get("catch_up_tokens", 0.0))]

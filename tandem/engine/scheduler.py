@@ -13,7 +13,7 @@ from collections import deque
 from tandem.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from tandem.engine.block_manager import BlockManager
 from tandem.engine.request import Request, RequestStatus
-from tandem.engine.spec_policy import RunningRow, SpecPolicy
+from tandem.engine.spec_policy import SpecPolicy
 from tandem.step_plan import RowSampling, ScheduledRow, StepOutput, StepPlan
 
 
@@ -38,7 +38,7 @@ class Scheduler:
         self.waiting.append(req)
 
     def release(self, request_ids: list[str]) -> None:
-        """Ids the ranks hold state for without a Request here (start-up calibration): the next plan frees them."""
+        """Ids the ranks hold state for without a Request here (the "auto" profile's rows): the next plan frees them."""
         self._finished_ids += request_ids
 
     def has_unfinished(self) -> bool:
@@ -91,22 +91,15 @@ class Scheduler:
             scheduled.append(req)
             budget -= n
         if self.policy is not None and not decoding:
-            k = self._num_spec_tokens(scheduled, new_batch=True)
+            k = self._num_spec_tokens(scheduled)
         self._scheduled = scheduled
         finished, self._finished_ids = self._finished_ids, []
         return StepPlan(rows=rows, num_spec_tokens=k, finished_request_ids=finished)
 
-    def _num_spec_tokens(self, requests: list[Request], new_batch: bool = False) -> int:
+    def _num_spec_tokens(self, requests: list[Request]) -> int:
         if self.policy is not None:
-            return self.policy.choose([RunningRow(r.request_id, r.num_tokens, r.num_tokens - r.num_computed_tokens,
-                                                  r.block_ids, self._tokens_left(r)) for r in requests], new_batch)
+            return self.policy.choose(len(requests))
         return self.spec.num_tokens_for_batch(len(requests)) if self.spec.enabled else 0
-
-    def _tokens_left(self, req: Request) -> int:
-        """Output tokens the request may still emit (max_tokens and max_model_len; a stop string may end it sooner)."""
-        room = self.max_model_len - req.num_tokens
-        max_tokens = req.sampling_params.max_tokens
-        return max(min(room, max_tokens - len(req.output_token_ids)) if max_tokens is not None else room, 0)
 
     def _drafts(self, req: Request, k: int, budget: int) -> list[int]:
         """The drafts a decode row verifies: at most K, the budget, and what max_tokens/max_model_len allow."""

@@ -18,6 +18,7 @@ from json_schemas import random_schema
 
 from tandem import LLM, SamplingParams
 from tandem.config import ConfigError
+from tandem.engine.spec_policy import SpecPolicy
 from tandem.models.loader import WeightLoadError
 
 # The first prompt exceeds the 32-token budget alone, so step 1 is a prompt chunk that samples nothing: its
@@ -77,28 +78,52 @@ def pair(tiny_checkpoints, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "llama4"])
-def test_drafts_equal_plain_recomputation_every_step(pair, arch, monkeypatch):
+class _Scripted(SpecPolicy):
+    """"auto" with K from a fixed schedule: K = 0 steps defer the head's step 0, the next drafting step catches up."""
+
+    SCHEDULE = (3, 0, 0, 2, 0, 1, 0, 0, 0, 3)
+
+    def __init__(self, max_k: int):
+        super().__init__(max_k)
+        self.calls = 0
+
+    def choose(self, num_rows: int) -> int:
+        self.calls += 1
+        return self.SCHEDULE[(self.calls - 1) % len(self.SCHEDULE)]
+
+
+@pytest.mark.parametrize("arch,k", [("llama", 3), ("qwen3", 3), ("llama4", 3), ("llama", "auto")])
+def test_drafts_equal_plain_recomputation_every_step(pair, arch, k, monkeypatch):
+    """Every step's drafts equal the head recomputed from scratch for its context; with "auto" on a K schedule
+    whose K = 0 steps defer the head's step 0, the drafts right after them too (the catch-up left nothing out)."""
     target, head = pair(arch)
-    prompts, k = _prompts()[:4], 3
+    prompts = _prompts()[:4]
+    monkeypatch.setattr("tandem.engine.llm_engine.SpecPolicy", _Scripted)
     llm = LLM(str(target), **ENGINE, speculative_config=_eagle3(head, k))
     steps = record_steps(llm, monkeypatch)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=8,
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=16,
                         ignore_eos=True), use_tqdm=False)
     full = {o.request_id: o.prompt_token_ids + o.outputs[0].token_ids for o in outs}
     num_emitted = {rid: 0 for rid in full}
     reference = PlainEagle3(target, head)
-    checked = 0
+    checked = after_zero = 0
+    previous_k = None
     for plan, out in steps:
         sampling_rows = [r for r in plan.rows if r.sampling is not None]
         for row, emitted, drafts in zip(sampling_rows, out.sampled_token_ids, out.draft_token_ids, strict=True):
             rid = row.request_id
             num_emitted[rid] += len(emitted)
             context = full[rid][: len(prompts[int(rid)]) + num_emitted[rid]]
-            if len(context) < len(full[rid]):  # the last step drafts past max_tokens: nothing to compare with
-                assert drafts == reference.drafts(context, k), f"{arch} request {rid} after {len(context)} tokens"
+            if len(context) < len(full[rid]) and plan.num_spec_tokens:  # the last step drafts past max_tokens
+                assert drafts == reference.drafts(context, plan.num_spec_tokens), \
+                    f"{arch} request {rid} after {len(context)} tokens"
                 checked += 1
+                after_zero += previous_k == 0
+        previous_k = plan.num_spec_tokens
     assert checked >= 4 * 3, f"only {checked} request-steps checked"
+    if k == "auto":
+        metrics = _metrics(llm)
+        assert after_zero >= 4 and metrics["tandem:spec_decode_eagle3_caught_up_tokens"] > 0, (after_zero, metrics)
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])

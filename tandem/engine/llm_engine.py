@@ -30,6 +30,7 @@ logger = logging.getLogger("tandem")
 LOG_INTERVAL_S = 10.0
 DEFERRAL_METRICS = {  # drafter -> (deferred tokens, caught-up tokens) counters
     "mtp": ("tandem:spec_decode_mtp_deferred_step0_tokens", "tandem:spec_decode_mtp_caught_up_tokens"),
+    "eagle3": ("tandem:spec_decode_eagle3_deferred_step0_tokens", "tandem:spec_decode_eagle3_caught_up_tokens"),
     "dspark": ("tandem:spec_decode_dspark_deferred_context_tokens",
                "tandem:spec_decode_dspark_caught_up_context_tokens"),
 }

@@ -6,19 +6,23 @@
   verified rows (vLLM's per-position acceptance average). A position no recent step verified leans on the one
   before it, so the drafts a K never run would add are priced as the last position tried fared.
 - seconds(rows, K): a table measured at start-up (`profile`: synthetic decode steps through the real executor at 1,
-  2, 4, ... rows and every K, best of REPEATS), interpolated between row counts, plus for each (row count, K) a
-  running average of what served steps took beyond it; an entry no served step ran takes its row count's mean
-  (what a served step adds to the executor's time - scheduling, output processing - is paid at every K).
+  2, 4, ... rows and every K, the median of ROUNDS), interpolated between row counts, plus for each (row count, K)
+  the median of what its last RECENT served steps took beyond it (the profile's short contexts, the engine's own
+  work around the executor). An entry no served step ran stays the profile's: a little
+  cheap (a served step adds scheduling and output processing), so that the policy tries it and learns its price;
+  lending it another K's correction passed that K's own profile error on (16 rows: K = 0 priced 9% high, K = 1
+  kept for good).
 - A switch of K discards the pending drafts (and from K = 0 catches deferred work up), so K moves only for a gain
-  above SWITCH_MARGIN (a third of it between drafting Ks).
+  above SWITCH_MARGIN.
 - At K = 0 no draft is verified, so acceptance would never be seen again: after `explore_after` steps there the
   policy drafts (at K = 1 or better); the wait doubles, up to MAX_EXPLORE_AFTER, while K = 0 stays best. Drafting
-  that starts, by choice or to explore, goes on until MIN_EXPLORED rows verified drafts (at batch 1, K = 1 for two
-  steps saw one draft, and three early rejections kept a drafter paying 1.4x at K = 0 for good), unless even an
-  optimistic acceptance (each rate at its upper confidence bound) could not make it pay; nor does such a K = 0
-  explore.
-- While drafting at K < K_max, every PROBE_EVERY steps two steps run at K + 1: position K + 1 is otherwise never
-  verified, and an estimate of it leaning on position K's (low by chance) can hold K below the best for good.
+  that starts, by choice or to explore, goes on until MIN_EXPLORED rows in MIN_EXPLORED_STEPS steps verified drafts
+  (at batch 1, K = 1 for two steps saw one draft, and three early rejections kept a drafter paying 1.4x at K = 0 for
+  good), unless even an optimistic acceptance (each rate at its upper confidence bound) could not make it pay; nor
+  does such a K = 0 explore.
+- While drafting, every PROBE_EVERY steps two steps run at K + 1 or K - 1 in turn: position K + 1 is otherwise
+  never verified (an estimate of it leaning on position K's, low by chance, can hold K below the best for good),
+  and K - 1's price would stay the profile's alone (its small steps vary by 10% or more at batch 1).
 Drafters declare nothing: the profile measures what their passes cost at each K, including the work a drafter defers
 at K = 0 (MTP's step 0, DSpark's context write) and catches up later. Rank 0 only, no torch.
 """
@@ -29,7 +33,9 @@ import bisect
 import logging
 import math
 import random
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 
 from tandem.config import EngineConfig
@@ -39,16 +45,24 @@ from tandem.step_plan import RowSampling, ScheduledRow, StepOutput, StepPlan
 logger = logging.getLogger("tandem")
 
 SWITCH_MARGIN = 0.03
-HALF_LIFE = 64.0  # verified rows over which an acceptance count halves
-FIRST_PRIOR, PRIOR_WEIGHT = 0.5, 2.0  # a_1 before any verification; pseudo-counts toward the position before
-AVERAGE = 0.1  # weight of a served step in its table entry's correction
+HALF_LIFE = 128.0  # verified rows over which an acceptance count halves
+STALE_HALF_LIFE = 64.0  # steps verifying nothing over which the evidence behind it halves: it ages
+FIRST_PRIOR, FIRST_WEIGHT = 0.5, 2.0  # a_1 before any verification, in pseudo-counts
+# pseudo-counts of a later position toward the one before it: conditional rates differ little between positions,
+# and at batch 1 two early rejections at position 2 otherwise held MTP at K = 1 for 60 steps
+POOL_WEIGHT = 8.0
+RECENT = 9  # served steps whose median time beyond the table corrects an entry: a stall moves no median
 OPTIMISM = 2.0  # standard errors: drafting at K = 0 is tried only where it could pay
 PROBE_EVERY = 32
 EXPLORE_AFTER, MAX_EXPLORE_AFTER = 32, 512
-MIN_EXPLORED = 8  # verified rows before drafting that started may stop (batch 1: a few Bernoulli draws mislead)
+# verified rows and verifying steps before drafting that started may stop: at batch 1 a few Bernoulli draws mislead,
+# and at batch 8 one step's rows did (the first drafts after a prompt are accepted least)
+MIN_EXPLORED, MIN_EXPLORED_STEPS = 8, 3
 MAX_PROFILED_ROWS = 64  # above it, seconds are extrapolated from the two largest row counts
 PROFILE_PROMPT = 32  # tokens of each synthetic row's prompt
-REPEATS = 2  # steps per (row count, K): the first at a new shape or after K = 0 carries one-time work
+# rounds over K = 0..K_max per row count, each K a pair of steps of which the second is timed (the first verifies
+# the last K's drafts, not K's); rounds, so that a drift of the machine's speed hits every K alike
+ROUNDS, SMALL_ROUNDS = 2, 5  # SMALL_ROUNDS at 1 and 2 rows, whose few-ms steps vary most and cost least
 GREEDY = RowSampling(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, num_logprobs=None)
 
 
@@ -59,22 +73,27 @@ class SpecPolicy:
         # correct them
         self.set_costs([1], [[1e-3 * (1.0 + 0.1 * k) for k in range(max_k + 1)]])
         self.accepted, self.tried = [0.0] * max_k, [0.0] * max_k  # decayed counts per draft position
+        self.evidence = [0.0] * max_k  # `tried`, aged by steps that verify nothing too: the bound's width
         self.k = 0
         self.steps_at_zero, self.explore_after = 0, EXPLORE_AFTER
-        self.explored = MIN_EXPLORED  # rows verified since drafting last started
+        # rows and steps that verified drafts since drafting last started: a fresh engine drafts until it has seen some
+        self.explored = self.explored_steps = 0
         self.steps_drafting = 0
         self.chosen = [0] * (max_k + 1)
 
     def set_costs(self, rows: list[int], seconds: list[list[float]]) -> None:
         """`seconds[i][K]`: a step of rows[i] decode rows at K (ascending row counts)."""
         self.rows, self.table = rows, seconds
-        self.extra: list[list[float | None]] = [[None] * (self.max_k + 1) for _ in rows]
+        # the profile's own figure is the first vote: one served step's outlier is not yet the entry's price
+        self.recent: list[list[deque[float]]] = [[deque([0.0], maxlen=RECENT) for _ in range(self.max_k + 1)]
+                                                for _ in rows]
 
     # -- pricing -------------------------------------------------------------------------------------------------
     def acceptance(self) -> list[float]:
-        rates, before = [], FIRST_PRIOR
+        rates, before, weight = [], FIRST_PRIOR, FIRST_WEIGHT
         for accepted, tried in zip(self.accepted, self.tried, strict=True):
-            before = (accepted + PRIOR_WEIGHT * before) / (tried + PRIOR_WEIGHT)
+            before = (accepted + weight * before) / (tried + weight)
+            weight = POOL_WEIGHT
             rates.append(before)
         return rates
 
@@ -82,9 +101,9 @@ class SpecPolicy:
         """E_K for K = 0..K_max: the tokens a decode row emits in a step that verifies K drafts; `optimistic`: each
         rate at its upper confidence bound, OPTIMISM standard errors above (its counts are what it knows)."""
         out, run = [1.0], 1.0
-        for rate, tried in zip(self.acceptance(), self.tried, strict=True):
+        for rate, tried in zip(self.acceptance(), self.evidence, strict=True):
             if optimistic:
-                rate = min(rate + OPTIMISM * math.sqrt(rate * (1 - rate) / (tried + PRIOR_WEIGHT)), 1.0)
+                rate = min(rate + OPTIMISM * math.sqrt(rate * (1 - rate) / (tried + FIRST_WEIGHT)), 1.0)
             run *= rate
             out.append(out[-1] + run)
         return out
@@ -102,10 +121,7 @@ class SpecPolicy:
     def seconds(self, num_rows: int) -> list[float]:
         """Predicted seconds of a step of num_rows decode rows at each K = 0..K_max."""
         profiled, nearest = self._profiled(num_rows)
-        extra = self.extra[nearest]
-        seen = [e for e in extra if e is not None]
-        fallback = sum(seen) / len(seen) if seen else 0.0
-        return [max(t + (e if e is not None else fallback), 1e-9) for t, e in zip(profiled, extra, strict=True)]
+        return [max(t + statistics.median(r), 1e-9) for t, r in zip(profiled, self.recent[nearest], strict=True)]
 
     # -- choosing ------------------------------------------------------------------------------------------------
     def choose(self, num_rows: int) -> int:
@@ -116,12 +132,12 @@ class SpecPolicy:
             rate = [e / s for e, s in zip(self.expected_tokens(), seconds, strict=True)]
             top = max(range(self.max_k + 1), key=rate.__getitem__)
             # a switch to or from K = 0 discards drafts or catches deferred work up: only for a clear gain
-            margin = SWITCH_MARGIN if 0 in (top, self.k) else SWITCH_MARGIN / 3
+            margin = SWITCH_MARGIN
             if rate[top] >= (1 + margin) * rate[self.k]:
                 best = top
             hopeful = max(e / s for e, s in zip(self.expected_tokens(True)[1:], seconds[1:], strict=True)) > rate[0]
         run = best
-        if best == 0 and self.explored < MIN_EXPLORED and hopeful:  # no verdict on fewer verified rows
+        if best == 0 and hopeful and (self.explored < MIN_EXPLORED or self.explored_steps < MIN_EXPLORED_STEPS):
             best = run = 1
         elif best == 0:
             self.steps_at_zero += 1
@@ -133,10 +149,11 @@ class SpecPolicy:
         else:
             self.steps_at_zero, self.explore_after = 0, EXPLORE_AFTER
             self.steps_drafting += 1
-            if best < self.max_k and self.steps_drafting % PROBE_EVERY < 2:  # a probe up: propose, then verify
-                run = best + 1
+            if self.steps_drafting % PROBE_EVERY < 2:  # a probe (propose, then verify), up and down in turn
+                up = self.steps_drafting // PROBE_EVERY % 2 == 0
+                run = best + 1 if up and best < self.max_k else best - 1 if not up and best > 1 else best
         if best and not self.k:
-            self.explored = self.steps_drafting = 0
+            self.explored = self.explored_steps = self.steps_drafting = 0
         self.k = best
         self.chosen[run] += 1
         return run
@@ -156,10 +173,14 @@ class SpecPolicy:
                     tried[j] += 1
                     accepted[j] += j < hits
         self.explored += verified
+        self.explored_steps += verified > 0
         if verified:
             keep = 0.5 ** (verified / HALF_LIFE)
             self.accepted = [keep * a + n for a, n in zip(self.accepted, accepted, strict=True)]
             self.tried = [keep * t + n for t, n in zip(self.tried, tried, strict=True)]
+            self.evidence = [keep * t + n for t, n in zip(self.evidence, tried, strict=True)]
+        elif plan.rows:
+            self.evidence = [t * 0.5 ** (1 / STALE_HALF_LIFE) for t in self.evidence]
         k = plan.num_spec_tokens
         # the time of a steady decode step at k corrects its table entry: not a step with prompt tokens, one that
         # verifies another K's drafts (right after a switch), or one that catches up deferred drafter work
@@ -168,10 +189,7 @@ class SpecPolicy:
             r.num_draft_tokens for r in plan.rows) == k
         if steady:
             profiled, nearest = self._profiled(len(plan.rows))
-            extra, old = step_s - profiled[k], self.extra[nearest][k]
-            # a stall (a GC pause, another process) moves an entry by at most AVERAGE / 4 of its step's time
-            bound = profiled[k] / 4
-            self.extra[nearest][k] = extra if old is None else old + AVERAGE * min(max(extra - old, -bound), bound)
+            self.recent[nearest][k].append(step_s - profiled[k])
 
     def metrics(self) -> list[Metric]:
         return [Vector("tandem:spec_policy_chosen_k", list(self.chosen), label="k"),
@@ -188,12 +206,15 @@ def profile(policy: SpecPolicy, execute: Callable[[StepPlan], StepOutput], confi
     prompt = min(PROFILE_PROMPT, budget, config.model_config.max_model_len // 4)
     most = min(config.scheduler_config.max_num_seqs, MAX_PROFILED_ROWS, budget // (k_max + 1))
     counts = [1 << i for i in range(max(most, 0).bit_length())]
-    # a row runs REPEATS steps at each K for every row count above its index, growing K + 1 tokens a step at most,
-    # and the drafter writes K_max slots past it
-    growth = REPEATS * (k_max + 1) * (k_max + 2) // 2
+    def rounds(c: int) -> int:
+        return SMALL_ROUNDS if c <= 2 else ROUNDS
+
+    # a row runs 2 rounds(c) steps at each K for every row count c above its index, growing K + 1 tokens a step
+    # at most, and the drafter writes K_max slots past it
+    growth = (k_max + 1) * (k_max + 2) // 2
     tail = config.speculative_config.num_lookahead_slots + 1
     while counts:
-        lengths = [prompt + sum(c > r for c in counts) * growth + tail for r in range(counts[-1])]
+        lengths = [prompt + sum(2 * rounds(c) for c in counts if c > r) * growth + tail for r in range(counts[-1])]
         if lengths[0] <= config.model_config.max_model_len and sum(-(-n // block) for n in lengths) <= num_blocks:
             break
         counts.pop()
@@ -224,8 +245,14 @@ def profile(policy: SpecPolicy, execute: Callable[[StepPlan], StepOutput], confi
     per_prefill = max(budget // prompt, 1)
     for start in range(0, len(rows), per_prefill):
         step(rows[start:start + per_prefill], k_max, prefill=True)
-    table = [[min(step(rows[:c], k, prefill=False) for _ in range(REPEATS)) for k in range(k_max + 1)]
-             for c in counts]
+    table = []
+    for c in counts:
+        timings: list[list[float]] = [[] for _ in range(k_max + 1)]
+        for _ in range(rounds(c)):
+            for k in range(k_max + 1):
+                step(rows[:c], k, prefill=False)
+                timings[k].append(step(rows[:c], k, prefill=False))
+        table.append([statistics.median(t) for t in timings])
     policy.set_costs(counts, table)
     logger.info('num_speculative_tokens "auto": step seconds at %s rows, K = 0..%d: %s', counts, k_max,
                 "; ".join(" ".join(f"{1e3 * s:.1f}" for s in t) + " ms" for t in table))

@@ -129,7 +129,6 @@ class DSparkProposer:
         stats = {"context_gather_bytes": float(self.context.take_gathered_bytes())}
         if self.defers:
             if (k == 0 or not emitted) and self.deferred.num_tokens <= MAX_DEFERRED_CONTEXT_TOKENS:
-                # the policy prices this step's draft pass as none at all (cost_model.StepShape.draft_features)
                 return Proposal(stats=stats | {STEP0_DEFERRED: float(batch.num_tokens - batch.num_padding)})
             stats |= self._write_deferred(step)
         if k == 0 or not emitted:

@@ -30,9 +30,9 @@ class Eagle3Proposer(MTPProposer):
     def __init__(self, head: Eagle3Head, target: nn.Module, backends: dict[str, type[AttentionBackend]],
                  block_size: int, max_model_len: int, probabilistic: bool, sharded: bool,
                  target_backends: dict[str, type[AttentionBackend]],
-                 padded_size: Callable[[int], int] = lambda n: n):
+                 padded_size: Callable[[int], int] = lambda n: n, defers: bool = False):
         super().__init__(head, backends, block_size, max_model_len, probabilistic, sharded, target_backends,  # type: ignore[arg-type]
-                         padded_size)
+                         padded_size, defers)
         self.head = head
         assert head.cfg.aux_layer_ids is not None
         self.layer_ids = head.cfg.aux_layer_ids

@@ -41,7 +41,9 @@ def build_proposer(config: EngineConfig, target: nn.Module, draft_mode: DraftMod
         compile_drafter(head, "EAGLE-3 head", config.compilation_config)
         return Eagle3Proposer(head, target, {attention_kind(model.architecture): draft_mode.backend}, block_size,
                               model.max_model_len, probabilistic, sharded=draft_mode.mode == "sharded",
-                              target_backends=target_backends, padded_size=config.compilation_config.padded_size)
+                              target_backends=target_backends, padded_size=config.compilation_config.padded_size,
+                              defers=defers_step0(spec.method, draft_mode.mode,
+                                                  config.parallel_config.prefill_context_parallel_size))
     if spec.method == "dspark":  # always replicated over the global batch (DESIGN §5)
         assert spec.model is not None
         drafter = load_dspark_drafter(spec.model, model, spec.max_num_speculative_tokens, config.device)

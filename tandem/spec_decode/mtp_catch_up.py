@@ -1,5 +1,6 @@
 """Deferred MTP step 0: decode steps that propose no drafts (the "auto" policy chose K = 0) skip the MTP layer and
-keep what its step 0 would have read; the next step that runs step 0 runs it over the deferred tokens too.
+keep what its step 0 would have read; the next step that runs step 0 runs it over the deferred tokens too. EAGLE-3
+runs the same passes (its head in the MTP layer's place, the aux states in the hidden state's), so it defers alike.
 
 Step 0 keeps the MTP layer's own KV current; at K = 0 its output is not sampled, so it only has to run before the
 next draft reads that KV. A deferred token is (position, shifted id, target hidden state), the three inputs step 0
@@ -33,9 +34,9 @@ MAX_DEFERRED_TOKENS = 256  # a request's deferred hidden states, each [H]: bound
 
 
 def defers_step0(method: str | None, draft_mode: str | None, pcp_size: int) -> bool:
-    """Whether an MTP drafter defers step 0 at K = 0: where step 0 runs on the global batch (replicated, or any
-    mode at PCP size 1); the sharded mode at PCP > 1 runs it on rank-local segments every step."""
-    return method == "mtp" and (draft_mode != "sharded" or pcp_size == 1)
+    """Whether an MTP or EAGLE-3 drafter defers step 0 at K = 0: where step 0 runs on the global batch (replicated,
+    or any mode at PCP size 1); the sharded mode at PCP > 1 runs it on rank-local segments every step."""
+    return method in ("mtp", "eagle3") and (draft_mode != "sharded" or pcp_size == 1)
 
 
 def defers_at_k0(method: str | None, auto: bool, draft_mode: str | None, pcp_size: int) -> bool:

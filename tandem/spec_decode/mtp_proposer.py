@@ -78,14 +78,13 @@ class MTPProposer:
         except a decode step proposing nothing (K = 0), whose tokens it takes at the next step that drafts
         (mtp_catch_up.py; the sharded mode at PCP > 1 runs it every step)."""
         plan, batch = step.plan, step.batch
-        if self.defers and k == 0 and self.deferred.defer_decodes(plan, emitted, step.global_hidden()):
+        if self.defers and k == 0 and self.deferred.defer_decodes(plan, emitted, self.global_states(step)):
             return Proposal([[] for _ in emitted], stats={STEP0_DEFERRED: float(batch.num_tokens - batch.num_padding)})
         shifted, last_idx = self._shifted_ids(plan, batch, emitted)  # global: a next token may be remote
         if self.defers and k == 0 and last_idx and self.deferred.can_defer(plan, batch, last_idx):
-            self.deferred.defer(plan, batch, shifted, step.global_hidden(), last_idx)
-            # the policy prices this step's draft pass as no step 0 at all (cost_model.StepShape.draft_features)
+            self.deferred.defer(plan, batch, shifted, self.global_states(step), last_idx)
             return Proposal([[] for _ in last_idx], stats={STEP0_DEFERRED: float(batch.num_tokens - batch.num_padding)})
-        extension = self.deferred.extend(plan, batch, shifted, step.global_hidden()) if self.defers else None
+        extension = self.deferred.extend(plan, batch, shifted, self.global_states(step)) if self.defers else None
         sample_idx = last_idx  # each sampling row's last valid token among step 0's outputs
         if extension is not None:  # the deferred tokens ride along, each row now a longer causal run
             with forward_context(extension.attn_metadata, self.backends):

@@ -8,10 +8,9 @@
 - seconds(rows, K): a table measured at start-up (`profile`: synthetic decode steps through the real executor at 1,
   2, 4, ... rows and every K, the median of ROUNDS), interpolated between row counts, plus for each (row count, K)
   the median of what its last RECENT served steps took beyond it (the profile's short contexts, the engine's own
-  work around the executor). An entry no served step ran stays the profile's: a little
-  cheap (a served step adds scheduling and output processing), so that the policy tries it and learns its price;
-  lending it another K's correction passed that K's own profile error on (16 rows: K = 0 priced 9% high, K = 1
-  kept for good).
+  work around the executor). An entry no served step ran stays the profile's: a little cheap (a served step adds
+  scheduling and output processing), so that the policy tries it and learns its price; lending it another K's
+  correction passed that K's own profile error on (16 rows: K = 0 priced 9% high, K = 1 kept for good).
 - A switch of K discards the pending drafts (and from K = 0 catches deferred work up), so K moves only for a gain
   above SWITCH_MARGIN.
 - At K = 0 no draft is verified, so acceptance would never be seen again: after `explore_after` steps there the
@@ -131,9 +130,7 @@ class SpecPolicy:
             seconds = self.seconds(num_rows)
             rate = [e / s for e, s in zip(self.expected_tokens(), seconds, strict=True)]
             top = max(range(self.max_k + 1), key=rate.__getitem__)
-            # a switch to or from K = 0 discards drafts or catches deferred work up: only for a clear gain
-            margin = SWITCH_MARGIN
-            if rate[top] >= (1 + margin) * rate[self.k]:
+            if rate[top] >= (1 + SWITCH_MARGIN) * rate[self.k]:
                 best = top
             hopeful = max(e / s for e, s in zip(self.expected_tokens(True)[1:], seconds[1:], strict=True)) > rate[0]
         run = best
@@ -149,8 +146,8 @@ class SpecPolicy:
         else:
             self.steps_at_zero, self.explore_after = 0, EXPLORE_AFTER
             self.steps_drafting += 1
-            if self.steps_drafting % PROBE_EVERY < 2:  # a probe (propose, then verify), up and down in turn
-                up = self.steps_drafting // PROBE_EVERY % 2 == 0
+            if self.steps_drafting >= PROBE_EVERY and self.steps_drafting % PROBE_EVERY < 2:  # propose, verify
+                up = self.steps_drafting // PROBE_EVERY % 2 == 0  # up and down in turn
                 run = best + 1 if up and best < self.max_k else best - 1 if not up and best > 1 else best
         if best and not self.k:
             self.explored = self.explored_steps = self.steps_drafting = 0

@@ -248,9 +248,9 @@ def _no_spec(path: Path) -> list[list[int]]:
 
 
 class _Restless(SpecPolicy):
-    """The policy, exploring after 2 steps at K = 0 and overruled every third step by another K (its choice + 1,
-    + 2, ..., + K_max in turn, mod K_max + 1), so that on tiny models (where one K may win throughout, and which one
-    depends on the measured step times) every run still switches K: up, down and to 0. The first step is overruled
+    """The policy, exploring after 2 steps at K = 0 and overruled every third step by each K in turn (1, 2, ...,
+    K_max, 0), so that on tiny models (where one K may win throughout, and which one depends on the measured step
+    times) every run still switches K: up, down and to 0. The first step is overruled
     too: the prompts that end in it propose drafts whatever the timings (n-gram's repetitive prompt then drafts at
     once; left to the timings, a run under load could end without a single draft). The step after an overruled
     K > 0 drafts too (K = 1 where the policy chose 0), so those drafts are verified, not all dropped (a run on a
@@ -265,8 +265,8 @@ class _Restless(SpecPolicy):
         k = super().choose(num_rows)
         if k == 0:
             self.explore_after = 2
-        if len(self.ks) % 3 == 0:
-            k = (k + 1 + (len(self.ks) // 3) % self.max_k) % (self.max_k + 1)
+        if len(self.ks) % 3 == 0:  # every K in turn, 0 included, whatever the timed choice
+            k = (len(self.ks) // 3 + 1) % (self.max_k + 1)
         elif len(self.ks) % 3 == 1 and self.ks[-1] > 0 and k == 0:
             # the drafts a K > 0 step proposes are verified only by a next step that drafts too: where the timed
             # choice stays at 0 (a loaded machine), a perturbed step alone would leave every draft dropped

@@ -21,7 +21,7 @@
   does such a K = 0 explore.
 - While drafting, every PROBE_EVERY steps two steps run at K + 1 or K - 1 in turn: position K + 1 is otherwise
   never verified (an estimate of it leaning on position K's, low by chance, can hold K below the best for good),
-  and K - 1's price would stay the profile's alone (its small steps vary by 10% or more at batch 1).
+  and K - 1's price (K = 0's too) would stay the profile's alone (its small steps vary by 10% or more at batch 1).
 Drafters declare nothing: the profile measures what their passes cost at each K, including the work a drafter defers
 at K = 0 (MTP's step 0, DSpark's context write) and catches up later. Rank 0 only, no torch.
 """
@@ -148,7 +148,7 @@ class SpecPolicy:
             self.steps_drafting += 1
             if self.steps_drafting >= PROBE_EVERY and self.steps_drafting % PROBE_EVERY < 2:  # propose, verify
                 up = self.steps_drafting // PROBE_EVERY % 2 == 0  # up and down in turn
-                run = best + 1 if up and best < self.max_k else best - 1 if not up and best > 1 else best
+                run = best + 1 if up and best < self.max_k else best - 1 if not up else best
         if best and not self.k:
             self.explored = self.explored_steps = self.steps_drafting = 0
         self.k = best

@@ -3,8 +3,6 @@ signals and dead ranks), on a free loopback port; and the process tree of a serv
 
 from __future__ import annotations
 
-import random
-import socket
 import subprocess
 import sys
 import threading
@@ -14,38 +12,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tandem.bench.hf_peer import free_port
 from tandem.entrypoints.engine_args import EngineArgs
 from tandem.entrypoints.openai.api_server import build_app
 from tandem.entrypoints.openai.async_engine import AsyncEngine
 from tandem.entrypoints.openai.limits import ServerLimits
 from tandem.entrypoints.openai.tool_calls import ToolServing
-
-
-def _ephemeral_range() -> range:
-    try:
-        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-    except (OSError, ValueError):
-        low, high = 32768, 60999
-    return range(low, high + 1)
-
-
-def free_port() -> int:
-    """A loopback port free now and outside the kernel's ephemeral range. A port from bind(0) is ephemeral, so an
-    outgoing connection (a gloo rank's, another test's) can take it before the server binds it: CI lost a run to
-    exactly that ("address already in use")."""
-    ephemeral = _ephemeral_range()
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, 32768)
-        if port in ephemeral:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free loopback port below the ephemeral range")
 
 
 def wait_healthy(url: str, proc: subprocess.Popen | None = None, tries: int = 600) -> None:

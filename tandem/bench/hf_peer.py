@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -58,10 +59,25 @@ def peer_name(continuous_batching: bool) -> str:
     return f"hf (transformers serve, {'continuous batching' if continuous_batching else 'no continuous batching'})"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port() -> int:
+    """A loopback port free now and outside the kernel's ephemeral range: a port from bind(0) is ephemeral, and an
+    outgoing connection (a gloo rank's, another server's client) can take it before the server binds it."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32768)
+        if low <= port <= high:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise PeerError("no free loopback port below the ephemeral range")
 
 
 def _log_tail(path: Path, num_lines: int = 20) -> str:
@@ -95,7 +111,7 @@ def hf_server(model: str, dtype: str, continuous_batching: bool, startup_timeout
     if not (Path(model) / "config.json").is_file():
         raise PeerError(f"model folder {model!r} has no config.json (is --hf-model, or the server's root, a path "
                         "readable from here?)")
-    port = _free_port()
+    port = free_port()
     cmd = [str(exe), "serve", model, "--device", "cpu", "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port)]
     if continuous_batching:
         cmd.append("--continuous-batching")

@@ -74,10 +74,5 @@ class StepOutput:
 
 
 # a draft stat: a step whose drafter deferred its per-step pass whole (MTP's step 0 at K = 0, mtp_catch_up.py), the
-# number of tokens it deferred; such a step's draft features price no step 0
+# number of tokens it deferred
 STEP0_DEFERRED = "step0_deferred_tokens"
-
-
-def attended_keys(num_new_tokens: int, num_computed_tokens: int) -> float:
-    """Keys the n new tokens of a row attend to in total (causal): n * start + n (n + 1) / 2."""
-    return num_new_tokens * num_computed_tokens + num_new_tokens * (num_new_tokens + 1) / 2

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from tandem.attention.batch import AttentionBatch
-from tandem.step_plan import StepPlan, attended_keys
+from tandem.step_plan import StepPlan
 from tandem.worker.input_batch import InputBatch, global_attention_metadata
 
 MAX_DEFERRED_TOKENS = 256  # a request's deferred hidden states, each [H]: bounded memory, a bounded catch-up
@@ -84,14 +84,12 @@ class RowExtension:
     hidden: torch.Tensor  # [T + D, H] target hidden states
     attn_metadata: AttentionBatch
     offsets: np.ndarray  # [R] deferred tokens prepended at or before row i (a token of row i moves by offsets[i])
-    num_keys: float = 0.0  # keys the prepended tokens attend to in all (causal), for the policy's cost model
 
     @property
     def stats(self) -> dict[str, float]:
-        """The catch-up's size, reported with the proposal so "auto" charges its cost to step 0's tokens (not to
-        drafting itself, which would make every exploration after a run of K = 0 look expensive)."""
-        return {"catch_up_tokens": float(self.offsets[-1]) if len(self.offsets) else 0.0,
-                "catch_up_keys": self.num_keys}
+        """The catch-up's size, reported with the proposal: the metrics count it, and "auto" keeps such a step's
+        time out of its step-cost corrections (a one-time cost, not what drafting at its K costs)."""
+        return {"catch_up_tokens": float(self.offsets[-1]) if len(self.offsets) else 0.0}
 
     def sample_index(self, row: int, index: int) -> int:
         """Where token `index` of the original batch, in batch row `row`, sits in the extended batch."""
@@ -172,7 +170,6 @@ class DeferredStep0:
         if all(p is None for p in pieces):
             return None
         ids, pos, states, slots, counts = [], [], [], [], np.zeros(len(plan.rows), dtype=np.int64)
-        keys = 0.0
         device = batch.input_ids.device
         for i, piece in enumerate(pieces):
             a, b = int(qsl[i]), int(qsl[i + 1])
@@ -184,7 +181,6 @@ class DeferredStep0:
                 slots.append(batch.block_table[i].long()[p // self.block_size] * self.block_size
                              + p % self.block_size)
                 counts[i] = piece.num_tokens
-                keys += attended_keys(piece.num_tokens, piece.start)
             ids.append(shifted[a:b])
             pos.append(batch.positions[a:b])
             states.append(hidden[a:b])
@@ -201,5 +197,5 @@ class DeferredStep0:
                               batch.sample_rows, batch.num_draft_tokens, batch.logits_indices,
                               batch.draft_token_ids, batch.sampling, batch.num_padding)
         return RowExtension(extended.input_ids, extended.positions, torch.cat(states),
-                            global_attention_metadata(extended, self.block_size), offsets, keys)
+                            global_attention_metadata(extended, self.block_size), offsets)
 

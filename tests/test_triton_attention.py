@@ -17,7 +17,7 @@ from tandem import LLM, SamplingParams
 from tandem.attention.backends.reference_sdpa import row_attention_with_lse
 from tandem.attention.batch import AttentionBatch, KVShard
 from tandem.attention.sharded_kv import merge_partials
-from tandem.attention.triton_paged import paged_attention, plan_tiles, triton_metadata
+from tandem.attention.triton_paged import MAX_SPLITS, num_key_splits, paged_attention, plan_tiles, triton_metadata
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -149,6 +149,36 @@ def test_owner_sharded_partials_merge_to_one_ranks_attention(pcp_size):
     ref, _ = reference(q, k, v, batch, 0.2, 32)
     torch.testing.assert_close(merge_partials(torch.stack(outs), torch.stack(lses)).double(), ref, atol=1e-5,
                                rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 7])
+@pytest.mark.parametrize("mla", [False, True])
+def test_split_kv_partials_merge_to_the_same_attention(num_splits, mla):
+    """Split-KV (what a GPU launches for a grid too small to fill it): the key range cut over programs, partials
+    merged by log-sum-exp; splits past a short row's keys see nothing. Same output and log-sum-exp as the reference."""
+    rng = np.random.default_rng(num_splits)
+    batch = random_layout(rng, [(1, 150), (1, 3), (4, 97), (0, 5)], 16, num_blocks=32, pad_tokens=1)
+    heads, kv_heads, width, dv, rope = (16, 1, 576, 512, 64) if mla else (6, 2, 64, 64, 0)
+    k = cache(512, kv_heads, width, torch.bfloat16, 14)
+    v = k if mla else cache(512, kv_heads, width, torch.bfloat16, 15)
+    q = torch.randn(batch.positions.shape[0], heads, width, generator=torch.Generator().manual_seed(16)).bfloat16()
+    meta = triton_metadata(batch)
+    out, _ = paged_attention(q, k, v, meta, 0.1, dv, rope_dim=rope, num_splits=num_splits)
+    out_lse, lse = paged_attention(q, k, v, meta, 0.1, dv, rope_dim=rope, with_lse=True, num_splits=num_splits)
+    ref, ref_lse = reference(q, k, v, batch, 0.1, dv)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out_lse.double(), ref, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-3, rtol=1e-4)
+    assert out[-1].abs().max() == 0
+
+
+def test_split_count_fills_a_small_grid_only_on_a_gpu():
+    assert num_key_splits(8, 2048, on_gpu=True) == 8  # batch-1 decode, 8 KV heads, 2k keys: 256-key splits
+    assert num_key_splits(8, 100_000, on_gpu=True) == MAX_SPLITS
+    assert num_key_splits(8, 200, on_gpu=True) == 1  # too few keys to split
+    assert num_key_splits(1024, 8192, on_gpu=True) == 1  # the grid already fills the GPU
+    assert num_key_splits(8, 8192, on_gpu=False) == 1
 
 
 def test_tiles_cover_every_query_once():

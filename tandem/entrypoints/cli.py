@@ -1,5 +1,5 @@
-"""`tandem` command line: generate, serve, bench (offline, serve, spec, prefill, decode, profile), eval gsm8k,
-convert-gguf, train draft-head."""
+"""`tandem` command line: generate, serve, bench (offline, serve, spec, prefill, decode, profile, roofline), eval
+gsm8k, convert-gguf, train draft-head."""
 
 from __future__ import annotations
 
@@ -91,8 +91,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmark tandem in-process (offline, spec, prefill, decode, profile) or a "
-                       "server (serve)")
+    p = sub.add_parser("bench", help="benchmark tandem in-process (offline, spec, prefill, decode, profile, "
+                       "roofline) or a server (serve)")
     kind = p.add_subparsers(dest="bench", required=True)
     s = kind.add_parser("serve", help="streamed load on an OpenAI-compatible server (and a peer: --vs URL or hf)")
     s.add_argument("--url", required=True, help="base URL of the server, e.g. http://127.0.0.1:8000")
@@ -211,7 +211,9 @@ def run_bench(args: argparse.Namespace) -> int:
                 "spec": ("num_prompts", "max_tokens", "repeats"),
                 "prefill": ("repeats", "threads_per_rank"),
                 "decode": ("max_tokens", "repeats", "threads_per_rank"),
-                "profile": ("max_tokens",)}[args.bench]
+                "profile": ("max_tokens",),
+                "roofline": ("input_len", "prefill_len", "max_tokens", "repeats", "bandwidth_mib", "gemm_size")}[
+                    args.bench]
     for name in positive:
         value = getattr(args, name)
         if value is not None and value < 1:

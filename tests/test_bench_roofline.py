@@ -29,7 +29,7 @@ def hand_count(folder: Path) -> dict[str, Any]:
     config = json.loads((folder / "config.json").read_text())
     layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
     with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
-        shapes = {name: f.get_slice(name).get_shape() for name in f.keys()}  # noqa: SIM118 (safe_open is no dict)
+        shapes = {name: f.get_slice(name).get_shape() for name in f.keys()}
     linear = 0.0
     for name, shape in shapes.items():
         layer = re.match(r"model\.layers\.(\d+)\.", name)

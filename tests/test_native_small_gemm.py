@@ -47,13 +47,54 @@ def test_a_rows_result_does_not_depend_on_its_batch() -> None:
     assert torch.equal(native.small_linear(wide[:, 30:230], w, None), alone)
 
 
+BF16_PATHS = [0] + ([1] if torch.cpu._is_avx512_bf16_supported() else [])  # widening; avx512_bf16 dot products
+
+
+@pytest.mark.parametrize("isa", BF16_PATHS)
+@pytest.mark.parametrize("n, k", [(1, 1), (3, 15), (7, 33), (61, 256), (130, 1000), (576, 576)])
+def test_bf16_small_linear_rounds_the_float64_result_once(isa: int, n: int, k: int) -> None:
+    """bfloat16 x and weight (K not a multiple of 16 or 32: the tails), float32 sums, one rounding to bf16: within
+    one bf16 step of the float64 result (a float32 sum's own error is far below it)."""
+    gen = torch.Generator().manual_seed(n * 7 + k)
+    w, b = torch.randn(n, k, generator=gen).bfloat16(), torch.randn(n, generator=gen).bfloat16()
+    for rows in (1, 2, 3, 4, 5, 16):
+        x = torch.randn(rows, k, generator=gen).bfloat16()
+        for bias in (None, b):
+            got = torch.ops.tandem_native.small_linear_isa(x, w, bias, isa)
+            assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+            ref = x.double() @ w.double().t() + (0 if bias is None else bias.double())
+            step = ref.abs().clamp(min=1e-3) * 2.0**-8  # one bf16 rounding, plus float32 sums at small values
+            assert ((got.double() - ref).abs() <= step + 1e-4 * k**0.5).all(), (rows, bias is None)
+
+
+@pytest.mark.parametrize("isa", BF16_PATHS)
+def test_bf16_rows_result_does_not_depend_on_its_batch(isa: int) -> None:
+    gen = torch.Generator().manual_seed(8)
+    w = torch.randn(333, 200, generator=gen).bfloat16()
+    x = torch.randn(16, 200, generator=gen).bfloat16()
+    alone = torch.cat([torch.ops.tandem_native.small_linear_isa(x[i:i + 1], w, None, isa) for i in range(16)])
+    for rows in (2, 3, 4, 7, 16):
+        assert torch.equal(torch.ops.tandem_native.small_linear_isa(x[:rows], w, None, isa), alone[:rows])
+
+
+def test_bf16_paths_refuse_what_they_cannot_run() -> None:
+    w = torch.randn(8, 32).bfloat16()
+    with pytest.raises(RuntimeError, match="one dtype"):
+        native.small_linear(torch.randn(2, 32), w, None)
+    with pytest.raises(RuntimeError, match="isa is -1"):
+        torch.ops.tandem_native.small_linear_isa(torch.randn(2, 32).bfloat16(), w, None, 2)
+    if not torch.cpu._is_avx512_bf16_supported():
+        with pytest.raises(RuntimeError, match="no avx512_bf16"):
+            torch.ops.tandem_native.small_linear_isa(torch.randn(2, 32).bfloat16(), w, None, 1)
+
+
 def test_small_linear_refuses_bad_inputs() -> None:
     w = torch.randn(8, 32)
     with pytest.raises(RuntimeError, match="at most 16 rows"):
         native.small_linear(torch.randn(17, 32), w, None)
     with pytest.raises(RuntimeError, match="share K"):
         native.small_linear(torch.randn(2, 31), w, None)
-    with pytest.raises(RuntimeError, match="float32"):
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         native.small_linear(torch.randn(2, 32, dtype=torch.float64), w.double(), None)
     with pytest.raises(RuntimeError, match="contiguous"):
         native.small_linear(torch.randn(2, 32), torch.randn(32, 8).t(), None)

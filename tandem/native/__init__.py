@@ -43,6 +43,7 @@ _SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "
 # headers, so their checksum goes into the flags
 _HEADERS = [Path(__file__).with_name("vec16.h")]
 _OPS = ("paged_attention", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary", "argmax_rows", "small_linear",
+        "small_linear_isa",
         "moe_experts")
 ISA_FLAGS = {"AVX2": ["-mavx2", "-mfma", "-mf16c"],
              "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"]}

@@ -8,6 +8,9 @@
 //
 // Each output is one dot product summed in one fixed order (16 lanes, then a tree), whatever the row count and the
 // thread split: a row's result does not depend on the batch it runs in.
+//
+// bfloat16 weights (half the bytes a decode streams) run the same loop on bf16 values widened to float32 as they
+// load, or, on a CPU with avx512_bf16, on vdpbf16ps dot products (a runtime check picks; both are tested).
 
 #include <torch/extension.h>
 
@@ -19,6 +22,8 @@
 #include <utility>
 #include <vector>
 
+#include <immintrin.h>
+
 #include "vec16.h"
 
 namespace {
@@ -27,16 +32,27 @@ constexpr int64_t kMaxRows = 16;            // rows of x the kernel takes (the c
 constexpr int64_t kWeightRows = 4;          // weight rows a pass streams together
 constexpr int64_t kGrainElements = 1 << 16;  // multiply-adds / 4 a thread takes at least: small GEMMs stay on one
 
-// Up to 4 rows of x (MR) against 4 weight rows (w[0..3]): out[m * ldo + i] = x_m . w_i over k.
-template <int MR>
-inline void block(const float* const* x, const float* const* w, int64_t k, float* out, int64_t ldo) {
+inline f32x16 load_any(const float* p) { return load16(p); }
+inline f32x16 load_any(const unsigned short* p) { return load16_bf16(p); }
+inline float to_float(float v) { return v; }
+inline float to_float(unsigned short b) {  // a bfloat16's bits -> its float32 value
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// Up to 4 rows of x (MR) against 4 weight rows (w[0..3]): out[m * ldo + i] = x_m . w_i over k. T: float, or the
+// bits of bfloat16 values, widened to float32 as they are loaded (exact), multiplied and summed in float32.
+template <int MR, typename T>
+inline void block(const T* const* x, const T* const* w, int64_t k, float* out, int64_t ldo) {
   f32x16 acc[MR][kWeightRows] = {};
   int64_t i = 0;
   for (; i + 16 <= k; i += 16) {
-    const f32x16 w0 = load16(w[0] + i), w1 = load16(w[1] + i), w2 = load16(w[2] + i), w3 = load16(w[3] + i);
+    const f32x16 w0 = load_any(w[0] + i), w1 = load_any(w[1] + i), w2 = load_any(w[2] + i), w3 = load_any(w[3] + i);
 #pragma GCC unroll 4
     for (int m = 0; m < MR; ++m) {
-      const f32x16 xm = load16(x[m] + i);
+      const f32x16 xm = load_any(x[m] + i);
       acc[m][0] += xm * w0;
       acc[m][1] += xm * w1;
       acc[m][2] += xm * w2;
@@ -46,14 +62,15 @@ inline void block(const float* const* x, const float* const* w, int64_t k, float
   for (int m = 0; m < MR; ++m) {
     for (int j = 0; j < kWeightRows; ++j) {
       float sum = hsum(acc[m][j]);
-      for (int64_t t = i; t < k; ++t) sum += x[m][t] * w[j][t];
+      for (int64_t t = i; t < k; ++t) sum += to_float(x[m][t]) * to_float(w[j][t]);
       out[m * ldo + j] = sum;
     }
   }
 }
 
 // block<> for mr = 1..4 rows of x, the tile's rows kWeightRows apart
-inline void block_rows(int64_t mr, const float* const* x, const float* const* w, int64_t k, float* tile) {
+template <typename T>
+inline void block_rows(int64_t mr, const T* const* x, const T* const* w, int64_t k, float* tile) {
   switch (mr) {
     case 1: block<1>(x, w, k, tile, kWeightRows); break;
     case 2: block<2>(x, w, k, tile, kWeightRows); break;
@@ -62,28 +79,60 @@ inline void block_rows(int64_t mr, const float* const* x, const float* const* w,
   }
 }
 
-// x: [M, K] float32 (rows may be strided, K contiguous), M <= 16; weight: [N, K] float32 contiguous;
-// bias: [N] float32 or None. Returns a new [M, N].
-at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "small_linear: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "small_linear: float32 only");
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
-              "small_linear: x [M, K] and weight [N, K] must share K, got ", x.sizes(), " and ", weight.sizes());
-  TORCH_CHECK(x.size(0) <= kMaxRows, "small_linear: at most ", kMaxRows, " rows, got ", x.size(0));
-  TORCH_CHECK(x.stride(1) == 1 && weight.is_contiguous(), "small_linear: K must be contiguous in x and weight");
-  const int64_t rows = x.size(0), n = weight.size(0), k = weight.size(1);
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == n &&
-                    bias->is_contiguous() && bias->device().is_cpu(), "small_linear: bias must be float32 [", n, "]");
-    bp = bias->data_ptr<float>();
+// The same for bfloat16 on a CPU with avx512_bf16: vdpbf16ps multiplies 32 bf16 pairs and adds each two adjacent
+// products into one of 16 float32 lanes, so a weight byte costs a third of the widening path's instructions. The
+// products of two bf16 are exact in float32; the sums round as the widening path's do, in another lane order (the
+// two paths may differ in the last bit of a float32 sum, never in how they round the bf16 result's inputs).
+// Compiled for that ISA alone (the target attribute) and called only where the CPU has it (kHasBf16Dot), so the
+// extension still builds and runs on CPUs without it.
+template <int MR>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+void block_dp(const unsigned short* const* x, const unsigned short* const* w, int64_t k, float* out, int64_t ldo) {
+  __m512 acc[MR][kWeightRows];
+  for (int m = 0; m < MR; ++m) {
+    for (int j = 0; j < kWeightRows; ++j) acc[m][j] = _mm512_setzero_ps();
   }
-  at::Tensor out = at::empty({rows, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
-  if (rows == 0 || n == 0) return out;
-  const float* xp = x.data_ptr<float>();
-  const int64_t ldx = x.stride(0);
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  int64_t i = 0;
+  for (; i + 32 <= k; i += 32) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w[0] + i), w1 = (__m512bh)_mm512_loadu_si512(w[1] + i),
+                   w2 = (__m512bh)_mm512_loadu_si512(w[2] + i), w3 = (__m512bh)_mm512_loadu_si512(w[3] + i);
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh xm = (__m512bh)_mm512_loadu_si512(x[m] + i);
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], xm, w0);
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], xm, w1);
+      acc[m][2] = _mm512_dpbf16_ps(acc[m][2], xm, w2);
+      acc[m][3] = _mm512_dpbf16_ps(acc[m][3], xm, w3);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    for (int j = 0; j < kWeightRows; ++j) {
+      float sum = _mm512_reduce_add_ps(acc[m][j]);
+      for (int64_t t = i; t < k; ++t) sum += to_float(x[m][t]) * to_float(w[j][t]);
+      out[m * ldo + j] = sum;
+    }
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+void block_rows_dp(int64_t mr, const unsigned short* const* x, const unsigned short* const* w, int64_t k,
+                   float* tile) {
+  switch (mr) {
+    case 1: block_dp<1>(x, w, k, tile, kWeightRows); break;
+    case 2: block_dp<2>(x, w, k, tile, kWeightRows); break;
+    case 3: block_dp<3>(x, w, k, tile, kWeightRows); break;
+    default: block_dp<4>(x, w, k, tile, kWeightRows); break;
+  }
+}
+
+const bool kHasBf16Dot = __builtin_cpu_supports("avx512bf16");
+
+// The weight streamed once for every row of x: parallel over blocks of 4 weight rows, each against every row of x,
+// 4 at a time. rows_of(m0, mr, xr) fills xr with the mr rows from m0 (the last repeated to 4); tile_of runs a block;
+// write(m, n0 + j, value) stores one result.
+template <typename T, typename Tile, typename Write>
+void stream_weight(const T* xp, int64_t ldx, const T* wp, int64_t rows, int64_t n, int64_t k, Tile tile_of,
+                   Write write) {
   const int64_t blocks = (n + kWeightRows - 1) / kWeightRows;
   // work of a block: its weight rows times the passes over them (one per 4 rows of x)
   const int64_t block_work = kWeightRows * k * ((rows + 3) / 4);
@@ -93,23 +142,68 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n0 = b * kWeightRows, width = std::min<int64_t>(kWeightRows, n - n0);
       // a partial last block repeats its last weight row; the repeats' results are not written
-      const float* w[kWeightRows];
+      const T* w[kWeightRows];
       for (int64_t j = 0; j < kWeightRows; ++j) w[j] = wp + (n0 + std::min<int64_t>(j, width - 1)) * k;
       for (int64_t m0 = 0; m0 < rows; m0 += 4) {
-        const float* xr[4];
+        const T* xr[4];
         const int64_t mr = std::min<int64_t>(4, rows - m0);
         for (int64_t m = 0; m < 4; ++m) xr[m] = xp + (m0 + std::min<int64_t>(m, mr - 1)) * ldx;
-        float* t = tile + m0 * kWeightRows;
-        block_rows(mr, xr, w, k, t);
+        tile_of(mr, xr, w, k, tile + m0 * kWeightRows);
       }
       for (int64_t m = 0; m < rows; ++m) {
-        for (int64_t j = 0; j < width; ++j) {
-          op[m * n + n0 + j] = tile[m * kWeightRows + j] + (bp ? bp[n0 + j] : 0.f);
-        }
+        for (int64_t j = 0; j < width; ++j) write(m, n0 + j, tile[m * kWeightRows + j]);
       }
     }
   });
+}
+
+// x: [M, K] float32 or bfloat16 (rows may be strided, K contiguous), M <= 16; weight: [N, K] of x's dtype,
+// contiguous; bias: [N] of x's dtype or None. Returns a new [M, N] of x's dtype (bfloat16: the float32 sum plus the
+// bias, rounded once). isa (bfloat16 only): 1 the avx512_bf16 dot products, 0 the widening path, -1 the best here.
+at::Tensor small_linear_isa(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                            int64_t isa) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "small_linear: CPU tensors only");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && weight.scalar_type() == dtype,
+              "small_linear: float32 or bfloat16 x and weight of one dtype, got ", x.scalar_type(), " and ",
+              weight.scalar_type());
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "small_linear: x [M, K] and weight [N, K] must share K, got ", x.sizes(), " and ", weight.sizes());
+  TORCH_CHECK(x.size(0) <= kMaxRows, "small_linear: at most ", kMaxRows, " rows, got ", x.size(0));
+  TORCH_CHECK(x.stride(1) == 1 && weight.is_contiguous(), "small_linear: K must be contiguous in x and weight");
+  TORCH_CHECK(isa >= -1 && isa <= 1, "small_linear: isa is -1 (best), 0 (widening) or 1 (avx512_bf16), got ", isa);
+  TORCH_CHECK(isa != 1 || kHasBf16Dot, "small_linear: this CPU has no avx512_bf16 dot products");
+  const int64_t rows = x.size(0), n = weight.size(0), k = weight.size(1);
+  at::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == dtype && bias->dim() == 1 && bias->size(0) == n && bias->device().is_cpu(),
+                "small_linear: bias must be [", n, "] of x's dtype");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
+  at::Tensor out = at::empty({rows, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (rows == 0 || n == 0) return out;
+  const int64_t ldx = x.stride(0);
+  if (dtype == at::kFloat) {
+    float* op = out.data_ptr<float>();
+    stream_weight(x.data_ptr<float>(), ldx, weight.data_ptr<float>(), rows, n, k, block_rows<float>,
+                  [&](int64_t m, int64_t c, float v) { op[m * n + c] = v + (bp ? bp[c] : 0.f); });
+    return out;
+  }
+  const auto* xp = reinterpret_cast<const unsigned short*>(x.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const unsigned short*>(weight.data_ptr<at::BFloat16>());
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  auto write = [&](int64_t m, int64_t c, float v) { op[m * n + c] = at::BFloat16(v + (bp ? bp[c] : 0.f)); };
+  if (isa == 1 || (isa == -1 && kHasBf16Dot)) {
+    stream_weight(xp, ldx, wp, rows, n, k, block_rows_dp, write);
+  } else {
+    stream_weight(xp, ldx, wp, rows, n, k, block_rows<unsigned short>, write);
+  }
   return out;
+}
+
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  return small_linear_isa(x, weight, bias, -1);
 }
 
 // out[p, :] = rows[p] . weight[expert of p]^T for P rows grouped by expert: rows [first[e], first[e + 1]) use
@@ -140,7 +234,7 @@ void grouped_rows_gemm(const std::vector<const float*>& rows, const std::vector<
         const int64_t mr = std::min<int64_t>(4, first[e + 1] - p0);
         const float* xr[4];
         for (int64_t m = 0; m < 4; ++m) xr[m] = rows[p0 + std::min<int64_t>(m, mr - 1)];
-        block_rows(mr, xr, w, k, tile);
+        block_rows<float>(mr, xr, w, k, tile);
         for (int64_t m = 0; m < mr; ++m) {
           for (int64_t j = 0; j < width; ++j) out[(p0 + m) * n + n0 + j] = tile[m * kWeightRows + j];
         }
@@ -242,6 +336,8 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& w13, const at::Ten
 TORCH_LIBRARY_FRAGMENT(tandem_native, m) {
   m.def("small_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   m.impl("small_linear", torch::kCPU, &small_linear);
+  m.def("small_linear_isa(Tensor x, Tensor weight, Tensor? bias, int isa) -> Tensor");
+  m.impl("small_linear_isa", torch::kCPU, &small_linear_isa);
   m.def("moe_experts(Tensor x, Tensor w13, Tensor w2, Tensor topk_ids, Tensor topk_weights, int expert_start) -> Tensor");
   m.impl("moe_experts", torch::kCPU, &moe_experts);
 }

@@ -24,6 +24,19 @@ inline f32x16 load16(const float* p) {
   return v;
 }
 
+typedef unsigned short u16x16 __attribute__((vector_size(32)));
+typedef unsigned int u32x16 __attribute__((vector_size(64)));
+
+// sixteen bfloat16 values (their bits) widened to float32: a bf16 is a float32's upper half
+inline f32x16 load16_bf16(const unsigned short* p) {
+  u16x16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+  f32x16 v;
+  std::memcpy(&v, &w, sizeof(v));
+  return v;
+}
+
 inline f32x8 fold16(f32x16 v) {  // lanes 0-7 plus lanes 8-15
   return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
          __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -48,6 +61,21 @@ inline f32x16 load16(const float* p) {
   std::memcpy(&v.hi, p + 8, sizeof(v.hi));
   return v;
 }
+
+typedef unsigned short u16x8 __attribute__((vector_size(16)));
+typedef unsigned int u32x8 __attribute__((vector_size(32)));
+
+inline f32x8 widen8_bf16(const unsigned short* p) {
+  u16x8 h;
+  std::memcpy(&h, p, sizeof(h));
+  const u32x8 w = __builtin_convertvector(h, u32x8) << 16;
+  f32x8 v;
+  std::memcpy(&v, &w, sizeof(v));
+  return v;
+}
+
+// sixteen bfloat16 values (their bits) widened to float32: a bf16 is a float32's upper half
+inline f32x16 load16_bf16(const unsigned short* p) { return {widen8_bf16(p), widen8_bf16(p + 8)}; }
 
 inline f32x8 fold16(const f32x16& v) { return v.lo + v.hi; }
 #endif

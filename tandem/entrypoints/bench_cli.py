@@ -27,8 +27,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("model", nargs="?", default=None, help="local model folder (default: the bundled model)")
     p.add_argument("--random-model", choices=RANDOM_MODELS, default=None,
-                   help="instead of MODEL, a random checkpoint at DeepSeek-V3's layer widths (2 dense MLA layers, "
-                        "hidden 1024, 16 heads, kv_lora_rank 512), built under .cache/ on first use")
+                   help="instead of MODEL, a random checkpoint built under .cache/ on first use: dsv3 (DeepSeek-V3's "
+                        "MLA widths, 2 dense layers, hidden 1024), llama1b (Llama-3.2-1B's config, 2.5 GB bf16), "
+                        "dsv3-layers (DeepSeek-V3's real dimensions, 2 layers, 28 GB bf16)")
 
 
 def _prefill_parser(kind: argparse._SubParsersAction) -> None:

@@ -132,8 +132,9 @@ def test_unknown_compilation_mode_is_named(tiny_checkpoints, mode):
 
 
 def test_opaque_ops_stay_outside_cuda_graphs():
-    """On CUDA inductor partitions the compiled graph at ops tagged cudagraph_unsafe and captures only the pieces
-    between: attention, the MoE experts and the collectives read this step's metadata, which a graph would freeze."""
+    """The piecewise backend (piecewise.py) cuts the compiled graph at ops tagged cudagraph_unsafe and captures only
+    the pieces between: attention, the MoE experts and the collectives read this step's metadata, which a graph would
+    freeze."""
     import tandem.compilation.opaque_ops  # noqa: F401 - registers the ops
 
     for op in (torch.ops.tandem.attention, torch.ops.tandem.mla_attention, torch.ops.tandem.moe_experts,
@@ -142,13 +143,13 @@ def test_opaque_ops_stay_outside_cuda_graphs():
 
 
 def test_cuda_graphs_only_on_cuda_with_padding(tiny_checkpoints):
-    """A CPU engine compiles no graphed variant (a CPU has no graphs to replay), with padding or without."""
+    """A CPU engine's compiled forward replays no graphs (a CPU has none to replay), with padding or without."""
     llm = LLM(str(tiny_checkpoints("llama")), **ENGINE,
               compilation_config={"mode": "VLLM_COMPILE", "cudagraph_mode": "PIECEWISE", **SIZES})
     try:
         forward = llm.engine.executor.runner.model.forward
         assert isinstance(forward, CompiledForward)
-        assert forward.graphed is None and forward.graph_max_tokens == 0
+        assert forward.graphs is None
     finally:
         llm.shutdown()
 

@@ -5,7 +5,9 @@ pieces on the step's metadata.
 One compile per callable covers every token count (the token axis is dynamic; torch specializes 1 on its own), so
 warmup over the capture sizes compiles both and then only replays. On CPU inductor freezes the weights
 (constant-folds them and prepacks the GEMM weights for oneDNN) and fuses the elementwise ops around the GEMMs.
-A compile that fails falls back to the eager forward with one warning; the engine keeps running.
+On CUDA with PIECEWISE padding the piecewise backend (piecewise.py) compiles the pieces instead and replays each as
+a CUDA graph per capture size. A compile that fails falls back to the eager forward with one warning, a capture
+that fails to the uncaptured pieces; the engine keeps running.
 
 Guards: Dynamo checks ~1,500 guards before every call of a compiled forward (that each submodule still has empty
 hook dicts, the same type, the same parameters...): ~0.2 ms a call here, 4-5% of a batch-1 decode step. A model's
@@ -27,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tandem.compilation.piecewise import CudaGraph, GraphFactory, GraphRun, PiecewiseBackend
 from tandem.config import CompilationConfig
 
 logger = logging.getLogger("tandem")
@@ -61,64 +64,73 @@ def own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
     return own if owner is None else types.MethodType(own, owner)
 
 
-def _compile(eager: Callable[..., Any], graphs: bool) -> Callable[..., Any]:
-    options: dict[str, Any] = {"guard_filter_fn": _kept_guards}
-    if graphs:  # inductor captures the pieces between the opaque ops (graph partitions) as CUDA graphs
-        import torch._inductor.config as inductor
-
-        options |= {"triton.cudagraphs": True} | ({"graph_partition": True} if hasattr(inductor, "graph_partition")
-                                                  else {})
-    return torch.compile(own_code(eager), dynamic=True, fullgraph=True, options=options)
+def _compile(eager: Callable[..., Any], backend: Any = "inductor") -> Callable[..., Any]:
+    return torch.compile(own_code(eager), backend=backend, dynamic=True, fullgraph=True,
+                         options={"guard_filter_fn": _kept_guards})
 
 
 def _owned(out: Any) -> Any:
-    """The tensors of a CUDA-graph replay's output, copied out of the graph's memory pool: the next replay of the same
-    graph overwrites them, and the runner keeps hidden states across draft passes and steps."""
+    """The tensors of a graph replay's output, copied out of the graphs' memory: the next replay of the same
+    pieces overwrites them, and the runner keeps hidden states across draft passes and steps."""
     return torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, out)
 
 
 class CompiledForward:
-    """Calls the compiled function, or the eager one once compiling failed. With `graph_max_tokens` (CUDA with
-    PIECEWISE padding), calls of at most that many tokens (the first argument's length: the padded capture sizes)
-    replay CUDA graphs of the compiled pieces; larger ones run the same pieces uncaptured."""
+    """Calls the compiled function, or the eager one once compiling failed. With `graphs` (CUDA with PIECEWISE
+    padding), the pieces between the opaque ops replay as one graph each per capture size (piecewise.py) in calls
+    whose token count (the first argument's length) is a capture size; other calls run the same pieces
+    uncaptured."""
 
-    def __init__(self, eager: Callable[..., Any], what: str, graph_max_tokens: int = 0):
-        self.eager, self.what = eager, what
-        self.compiled: Callable[..., Any] | None = _compile(eager, graphs=False)
-        self.graph_max_tokens = graph_max_tokens
-        self.graphed: Callable[..., Any] | None = _compile(eager, graphs=True) if graph_max_tokens else None
+    def __init__(self, eager: Callable[..., Any], what: str, graphs: GraphRun | None = None):
+        self.eager, self.what, self.graphs = eager, what, graphs
+        self.compiled: Callable[..., Any] | None = _compile(eager, "inductor" if graphs is None
+                                                            else PiecewiseBackend(graphs))
         self.lean = True  # whole graphs with the structural guards dropped; False once it had to break
 
     def __call__(self, *args: Any) -> Any:
-        if self.graphed is not None and args[0].shape[0] <= self.graph_max_tokens:
-            try:
-                # each call is its own generation of inductor's CUDA-graph trees: the outputs are copied out below,
-                # so no earlier replay's outputs are live when this one overwrites them
-                torch.compiler.cudagraph_mark_step_begin()
-                return _owned(self.graphed(*args))
-            except torch._dynamo.exc.TorchDynamoException as e:
-                logger.warning("capturing %s as CUDA graphs failed, running it uncaptured: %s", self.what,
-                               str(e).splitlines()[0])
-                self.graphed = None
         if self.compiled is None:
             return self.eager(*args)
         try:
-            return self.compiled(*args)
+            return self._run(args)
         except torch._dynamo.exc.TorchDynamoException as e:  # a compile failure, not a runtime error
             if self.lean and isinstance(e, torch._dynamo.exc.Unsupported):  # cannot be captured whole
                 logger.info("%s has a graph break (%s): compiling it with Dynamo's guards", self.what,
                             str(e).splitlines()[0])
-                self.lean, self.compiled, self.graphed = False, torch.compile(self.eager, dynamic=True), None
+                self.lean, self.compiled, self.graphs = False, torch.compile(self.eager, dynamic=True), None
                 return self(*args)
             logger.warning("compiling %s failed, running it eagerly: %s", self.what, str(e).splitlines()[0])
-            self.compiled = self.graphed = None
+            self.compiled = None
             return self.eager(*args)
 
+    def _run(self, args: tuple[Any, ...]) -> Any:
+        assert self.compiled is not None
+        graphs, num_tokens = self.graphs, args[0].shape[0]
+        if graphs is None or num_tokens not in graphs.capture_sizes:
+            return self.compiled(*args)
+        graphs.num_tokens = num_tokens  # the pieces replay this size's graphs
+        try:
+            return _owned(self.compiled(*graphs.static_inputs(args)))
+        finally:
+            graphs.num_tokens = None
 
-def _graph_max_tokens(model: nn.Module, config: CompilationConfig) -> int:
-    # CUDA graphs where PIECEWISE padding gives the steps a few sizes (CPUs have no graphs to replay)
-    on_cuda = any(p.device.type == "cuda" for p in model.parameters())
-    return max(config.capture_sizes) if config.pads and on_cuda else 0
+
+# tests run the graphed path on the CPU with a stand-in Graph (a CPU has no graphs to replay)
+_cpu_graph_factory: GraphFactory | None = None
+
+
+def _compiled(eager: Callable[..., Any], module: nn.Module, what: str, config: CompilationConfig) -> CompiledForward:
+    """The compiled forward, with graphs where PIECEWISE padding gives the steps a few sizes."""
+    on_cuda = any(p.device.type == "cuda" for p in module.parameters())
+    factory = CudaGraph if on_cuda else _cpu_graph_factory
+    return CompiledForward(eager, what, GraphRun(what, config.capture_sizes, factory)
+                           if config.pads and factory is not None else None)
+
+
+def warmup_passes(model: nn.Module) -> int:
+    """How many times the runner's warmup runs each capture size: twice where the target's compiled pieces replay
+    graphs (the first call at a size warms up, the second captures), else once."""
+    forward = model.forward
+    return 2 if isinstance(forward, CompiledForward) and forward.graphs is not None else 1
 
 
 def compile_drafter(drafter: nn.Module, what: str, config: CompilationConfig) -> None:
@@ -126,8 +138,7 @@ def compile_drafter(drafter: nn.Module, what: str, config: CompilationConfig) ->
     if not config.compiles:
         return
     _configure_inductor()
-    drafter.forward = CompiledForward(drafter.forward, what,  # type: ignore[method-assign]
-                                      _graph_max_tokens(drafter, config))
+    drafter.forward = _compiled(drafter.forward, drafter, what, config)  # type: ignore[method-assign]
 
 
 def compile_model(model: nn.Module, config: CompilationConfig) -> None:
@@ -135,9 +146,8 @@ def compile_model(model: nn.Module, config: CompilationConfig) -> None:
     if not config.compiles:
         return
     _configure_inductor()
-    graph_max = _graph_max_tokens(model, config)
-    model.forward = CompiledForward(model.forward, f"{type(model).__name__}.forward",  # type: ignore[method-assign]
-                                    graph_max)
+    model.forward = _compiled(model.forward, model, f"{type(model).__name__}.forward",  # type: ignore[method-assign]
+                              config)
     mtp = getattr(model, "mtp", None)
     for i, layer in enumerate(mtp.layers if mtp is not None else []):
-        layer.forward = CompiledForward(layer.forward, f"MTP layer {i}", graph_max)
+        layer.forward = _compiled(layer.forward, layer, f"MTP layer {i}", config)

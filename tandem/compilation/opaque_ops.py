@@ -6,7 +6,7 @@ moe_experts   the routed experts loop over the experts that received tokens (dat
               expert-parallel collectives).
 all_reduce    a TP all-reduce (gloo/NCCL collectives are not traceable); out of place, as custom ops must be.
 
-Each op is tagged cudagraph_unsafe: on CUDA, inductor's graph partitioning cuts the compiled graph at them and
+Each op is tagged cudagraph_unsafe: on CUDA the piecewise backend (piecewise.py) cuts the compiled graph at them and
 captures only the pieces between as CUDA graphs (their Python reads this step's metadata, which a graph would freeze).
 
 Each op names its layer (or group) by a registered string, since ops take tensors and plain values only. Layers

@@ -14,7 +14,7 @@ from tandem.attention import kv_scales
 from tandem.attention.backend import select_target_backends
 from tandem.attention.forward_context import forward_context
 from tandem.attention.layer import Attention, MLAAttention
-from tandem.compilation.compile import compile_model
+from tandem.compilation.compile import compile_model, warmup_passes
 from tandem.config import EngineConfig
 from tandem.distributed.groups import SINGLE_RANK, ParallelGroups
 from tandem.layers.cpu_gemm import prepack_linears
@@ -124,18 +124,19 @@ class ModelRunner:
     @torch.inference_mode()
     @serving_native
     def warmup(self) -> None:
-        """Run every capture size once, largest first, on padding only (no row: nothing is written or
-        sampled), target then drafter as the selected draft mode runs it. Compiled pieces are compiled here.
+        """Run every capture size, largest first, on padding only (no row: nothing is written or sampled), target
+        then drafter as the selected draft mode runs it. Compiled pieces are compiled here, and their graphs captured.
         Every rank runs the same sizes in the same order, so the TP/EP collectives inside match up."""
         k = self.config.speculative_config.max_num_speculative_tokens
         for size in reversed(self.compilation.capture_sizes):
             if size > self.config.scheduler_config.max_num_batched_tokens:
                 continue
-            batch = padding_batch(size, self.device)
-            local = LocalBatch(batch.input_ids, batch.positions, global_attention_metadata(batch, self.block_size))
-            with forward_context(local.attn_metadata, self.backends):
-                hidden = torch.zeros_like(self.model(local.input_ids, local.positions))  # padding rows are zero
-            self.proposer.warmup(TargetStep(StepPlan(), batch, local, hidden, self.pcp), k)
+            for _ in range(warmup_passes(self.model)):  # CUDA graphs: the first pass warms up, the second captures
+                batch = padding_batch(size, self.device)
+                local = LocalBatch(batch.input_ids, batch.positions, global_attention_metadata(batch, self.block_size))
+                with forward_context(local.attn_metadata, self.backends):
+                    hidden = torch.zeros_like(self.model(local.input_ids, local.positions))  # padding rows are zero
+                self.proposer.warmup(TargetStep(StepPlan(), batch, local, hidden, self.pcp), k)
             self.warmed_up_sizes.append(size)
 
     @torch.inference_mode()

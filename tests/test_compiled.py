@@ -39,6 +39,18 @@ def test_compiled_matches_eager(tiny_checkpoints, arch):
     assert compiled == eager
 
 
+def test_engine_forward_compiles_whole_with_the_native_kernels(tiny_checkpoints, native_kernels):
+    """The target forward is captured whole (no graph break, so Dynamo keeps only the input guards) with the native
+    kernels serving it: their per-engine switch is read as a constant of the trace, not a graph break."""
+    llm = LLM(str(tiny_checkpoints("llama")), dtype="float32", compilation_config={"mode": "VLLM_COMPILE", **SIZES})
+    try:
+        llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(temperature=0, max_tokens=4),
+                     use_tqdm=False)
+        assert llm.engine.executor.runner.model.forward.lean
+    finally:
+        llm.shutdown()
+
+
 # MLA under PCP=2 with sharded MTP drafting; GQA with MTP on one rank (each compile costs minutes on 2 cores)
 @pytest.mark.parametrize("arch,pcp", [("deepseek_v3", 2), ("glm4_moe", 1)])
 def test_compiled_with_mtp_matches_eager(tiny_checkpoints, arch, pcp):

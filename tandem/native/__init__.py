@@ -225,6 +225,14 @@ def serves(x: torch.Tensor, *params: torch.Tensor, dtypes: tuple[torch.dtype, ..
         return False
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
         return False
+    return _enabled_when_traced() if torch.compiler.is_compiling() else enabled()
+
+
+@torch.compiler.assume_constant_result
+def _enabled_when_traced() -> bool:
+    """enabled(), a constant of the compiled graph: Dynamo cannot trace the ContextVar read (a graph break would cost
+    the whole-graph compile and its guard savings, tandem/compilation/compile.py). Each engine compiles its own
+    forward inside its own steps (`serving`), so the value at trace time is the one every call of it sees."""
     return enabled()
 
 

@@ -15,6 +15,7 @@ FAST_FILES = (
     "tests/test_chat_templates.py",
     "tests/test_checkpoint_folders.py",
     "tests/test_cpu_gemm.py",
+    "tests/test_cuda_twins.py",
     "tests/test_draft_mode.py",
     "tests/test_envs.py",
     "tests/test_package_layers.py",

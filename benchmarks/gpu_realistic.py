@@ -1,6 +1,7 @@
 """gpu_check.py's checks at a realistic size: one random checkpoint (tandem/bench/random_model.py) run in turn by tandem
-eager, tandem compiled with CUDA graphs and Hugging Face (one of them on the GPU at a time): greedy tokens against
-each other, decode tok/s per batch size beside the HBM bandwidth bound, and TTFT per prompt length.
+eager, tandem compiled without graphs, tandem compiled with PIECEWISE CUDA graphs and Hugging Face (one of them on the
+GPU at a time): greedy tokens against each other, decode tok/s per batch size beside the HBM bandwidth bound, and
+TTFT per prompt length. Each row of a compiled runner says how many graphs its engine captured and replayed meanwhile.
 
 Decode: B random prompts of `decode_prompt_len` tokens, greedy, EOS ignored, after a 4-token warm-up at the same
 batch (the graphs of batch B are captured there); TPOT = (wall of 1 + N tokens - wall of 1 token) / N, one run each,
@@ -16,6 +17,7 @@ from __future__ import annotations
 import gc
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -27,7 +29,10 @@ from tandem.bench.offline import HFRunner, TandemRunner, timed
 from tandem.bench.prompts import random_token_ids
 from tandem.entrypoints.engine_args import EngineArgs
 
-RUNNERS = ("tandem-eager", "tandem-graphs", "hf")
+RUNNERS = ("tandem-eager", "tandem-compiled", "tandem-graphs", "hf")
+# tandem-compiled: the same compiled pieces as tandem-graphs, uncaptured (issue 47's 1.3x is graphs over this)
+COMPILED_NO_GRAPHS = {"mode": "VLLM_COMPILE", "cudagraph_mode": "NONE"}
+COMPILED_RUNNERS = ("tandem-compiled", "tandem-graphs")
 SECTIONS = ("realistic", "decode", "ttft")
 PARITY_PROMPTS, PARITY_PROMPT_LEN, PARITY_TOKENS = 8, 32, 32
 WARMUP_TOKENS = 4  # 3 decode steps at the batch: its graphs warm up, are recorded, replay
@@ -54,6 +59,7 @@ class Plan:
 class Peer(Protocol):
     def generate(self, prompt_ids: list[list[int]], max_tokens: int) -> list[list[int]]: ...
     def first_token(self, ids: list[int]) -> int: ...
+    def graph_counters(self) -> dict[str, int]: ...
     def close(self) -> None: ...
 
 
@@ -67,6 +73,9 @@ class TandemPeer(TandemRunner):
 
     def first_token(self, ids: list[int]) -> int:
         return self.generate([ids], 1)[0][0]
+
+    def graph_counters(self) -> dict[str, int]:
+        return graph_counters(self.llm)
 
     def close(self) -> None:
         self.llm.shutdown()
@@ -84,6 +93,9 @@ class HFPeer(HFRunner):
         logits = self.model(torch.tensor([ids], device=self.device), logits_to_keep=1).logits  # [1, 1, V]
         return int(logits[0, -1].argmax())
 
+    def graph_counters(self) -> dict[str, int]:
+        return {}
+
     def close(self) -> None:
         del self.model
         _free_device_memory()
@@ -95,15 +107,36 @@ def _free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def graph_counters() -> dict[str, int]:
-    """Inductor's CUDA-graph counters: graph partitions made, captures skipped (each skip is also logged, why)."""
-    from torch._dynamo.utils import counters
+def graph_counters(llm: Any) -> dict[str, int]:
+    """The PIECEWISE CUDA graphs of an engine's compiled forwards, the target's and each MTP layer's (a GraphRun
+    each, tandem/compilation/piecewise.py): graphs captured (pieces x capture sizes), piece replays, and forwards
+    whose capture failed (they run uncaptured). Empty where no forward has graphs: eager, compiled without graphs, a
+    forward that broke and was recompiled without them (logged), or ranks in other processes."""
+    runner = getattr(llm.engine.executor, "runner", None)
+    if runner is None:
+        return {}
+    mtp = getattr(runner.model, "mtp", None)
+    forwards = [runner.model.forward, *(layer.forward for layer in (mtp.layers if mtp is not None else []))]
+    runs = [run for forward in forwards if (run := getattr(forward, "graphs", None)) is not None]
+    if not runs:
+        return {}
+    return {"captured": sum(r.num_captured for r in runs), "replays": sum(r.num_replays for r in runs),
+            "failed": sum(r.failed for r in runs)}
 
-    return {k: counters["inductor"][f"cudagraph_{k}"] for k in ("partitions", "skips")}
+
+def graphs_between(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """Graphs captured and replayed from `before` to `after` (graph_counters), and the forwards failed by then."""
+    if not after:
+        return {}
+    return {"captured": after["captured"] - before.get("captured", 0),
+            "replays": after["replays"] - before.get("replays", 0), "failed": after["failed"]}
 
 
-def counter_delta(before: dict[str, int], after: dict[str, int]) -> str:
-    return ", ".join(f"{k} {after[k] - before[k]}" for k in after)
+def graph_cells(graphs: dict[str, int]) -> str:
+    if not graphs:
+        return "no graphs"
+    failed = f", capture FAILED in {graphs['failed']} forward(s), run uncaptured" if graphs["failed"] else ""
+    return f"graphs: {graphs['captured']} captured, {graphs['replays']} replays{failed}"
 
 
 def open_peer(kind: str, folder: Path, config: dict[str, Any], plan: Plan) -> Peer:
@@ -118,7 +151,8 @@ def open_peer(kind: str, folder: Path, config: dict[str, Any], plan: Plan) -> Pe
                       max_num_seqs=plan.max_batch(), max_num_batched_tokens=max(2048, *plan.ttft_lens),
                       kv_cache_memory_bytes=int(1.2 * pool_tokens * per_token) + (64 << 20),
                       enable_prefix_caching=False, attention_config=plan.attention_config,
-                      compilation_config=plan.graphs_config if kind == "tandem-graphs" else None)
+                      compilation_config={"tandem-compiled": COMPILED_NO_GRAPHS,
+                                          "tandem-graphs": plan.graphs_config}.get(kind))
     return TandemPeer(args)
 
 
@@ -178,15 +212,15 @@ def check_model(table: Any, name: str, folder: Path, plan: Plan) -> dict[str, An
     config = json.loads((folder / "config.json").read_text())
     results: dict[str, Any] = {"runners": {}, "parity": {}}
     for kind in plan.runners:
+        out = results["runners"][kind] = {"decode": {}, "ttft_s": {}, "graphs": {}}
         peers: list[Peer] = []
 
         def load(kind: str = kind, peers: list[Peer] = peers) -> tuple[str, bool]:
-            before = graph_counters()
             peers.append(open_peer(kind, folder, config, plan))
-            after = graph_counters()
-            return "loaded" + (f" ({counter_delta(before, after)})" if kind == "tandem-graphs" else ""), True
+            return "loaded", True
 
-        table.check(f"{name} {kind}: load", load)
+        table.check(f"{name} {kind}: load",
+                    _with_graphs(kind, "load", out, load, lambda peers=peers: peers[0] if peers else None))
         if peers:
             try:
                 _measure(table, f"{name} {kind}", peers[0], kind, folder, config, plan, results)
@@ -195,24 +229,49 @@ def check_model(table: Any, name: str, folder: Path, plan: Plan) -> dict[str, An
     return results
 
 
+def _with_graphs(kind: str, what: str, out: dict[str, Any], fn: Callable[[], tuple[str, bool]],
+                 peer: Callable[[], Peer | None]) -> Callable[[], tuple[str, bool]]:
+    """`fn`'s row and, for a compiled runner, the graphs its engine captured and replayed during it (also kept in
+    out["graphs"][what]). A tandem-graphs row fails where a capture failed, where loading (whose warmup captures
+    every capture size) captured none, and where a decode (every decode batch is a capture size) replayed none."""
+    if kind not in COMPILED_RUNNERS:
+        return fn
+
+    def counters() -> dict[str, int]:
+        now = peer()  # None before the load row has made it
+        return now.graph_counters() if now is not None else {}
+
+    def row() -> tuple[str, bool]:
+        before = counters()
+        cells, passed = fn()
+        graphs = out["graphs"][what] = graphs_between(before, counters())
+        if kind == "tandem-graphs":
+            needed = {"load": "captured", "decode": "replays"}.get(what.split()[0])
+            passed = passed and bool(graphs) and not graphs["failed"] and (needed is None or graphs[needed] > 0)
+        return f"{cells}; {graph_cells(graphs)}", passed
+
+    return row
+
+
 def _measure(table: Any, label: str, peer: Peer, kind: str, folder: Path, config: dict[str, Any], plan: Plan,
              results: dict[str, Any]) -> None:
-    out: dict[str, Any] = results["runners"].setdefault(kind, {"decode": {}, "ttft_s": {}})
+    out: dict[str, Any] = results["runners"][kind]
     if "realistic" in plan.sections:
         prompts = [random_token_ids(config["vocab_size"], PARITY_PROMPT_LEN, 100 + i) for i in range(PARITY_PROMPTS)]
         table.check(f"{label}: greedy, {PARITY_PROMPTS} prompts x {PARITY_TOKENS} tokens",
-                    lambda: _greedy(peer, prompts, kind, results, plan))
+                    _with_graphs(kind, "greedy", out, lambda: _greedy(peer, prompts, kind, results, plan),
+                                 lambda: peer))
     for batch in plan.decode_batches * ("decode" in plan.sections):
         def decode(batch: int = batch) -> tuple[str, bool]:
             point = out["decode"][batch] = decode_point(peer, folder, config, plan, batch)
             return (f"{point['tok_s']:.1f} tok/s (TPOT {point['tpot_ms']:.2f} ms), "
                     f"{100 * point['hbm_fraction']:.1f}% of HBM"), True
-        table.check(f"{label}: decode batch {batch}", decode)
+        table.check(f"{label}: decode batch {batch}", _with_graphs(kind, f"decode {batch}", out, decode, lambda: peer))
     for length in plan.ttft_lens * ("ttft" in plan.sections):
         def ttft(length: int = length) -> tuple[str, bool]:
             out["ttft_s"][length] = ttft_point(peer, config, length)
             return f"{out['ttft_s'][length] * 1e3:.1f} ms", True
-        table.check(f"{label}: TTFT {length} tokens", ttft)
+        table.check(f"{label}: TTFT {length} tokens", _with_graphs(kind, f"ttft {length}", out, ttft, lambda: peer))
 
 
 def _greedy(peer: Peer, prompts: list[list[int]], kind: str, results: dict[str, Any], plan: Plan) -> tuple[str, bool]:
@@ -229,12 +288,16 @@ def _greedy(peer: Peer, prompts: list[list[int]], kind: str, results: dict[str, 
             plan.dtype != "float32" or same == len(prompts))
 
 
+# the summary's ratio columns: graphs over the same pieces uncaptured (issue 47's 1.3x), then over eager and HF
+RATIOS = (("tandem-graphs", "tandem-compiled"), ("tandem-graphs", "tandem-eager"), ("tandem-compiled", "tandem-eager"),
+          ("tandem-graphs", "hf"), ("tandem-eager", "hf"))
+
+
 def summary(name: str, results: dict[str, Any], plan: Plan) -> list[str]:
     """One markdown table of the model's decode and TTFT figures, a column per runner, then the ratios."""
     runs = results["runners"]
     kinds = [k for k in plan.runners if k in runs]
-    ratios = [(a, b) for a, b in (("tandem-graphs", "tandem-eager"), ("tandem-graphs", "hf"), ("tandem-eager", "hf"))
-              if a in runs and b in runs]
+    ratios = [(a, b) for a, b in RATIOS if a in runs and b in runs]
     lines = [f"| {name} ({plan.dtype}) | " + " | ".join(kinds) + "".join(f" | {a} / {b}" for a, b in ratios) + " |",
              "|---" * (1 + len(kinds) + len(ratios)) + "|"]
     for batch in plan.decode_batches:
@@ -256,21 +319,29 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 
 def targets(results: dict[str, Any]) -> list[tuple[str, str, bool | None]]:
-    """Issue 47's targets for the Llama-1B-shaped model: (target, measured, met; None where not measured)."""
+    """Issue 47's targets for the Llama-1B-shaped model: (target, measured, met; None where not measured, or for a
+    reference row, which has no bar)."""
     runs, parity = results["runners"], results["parity"]
 
     def decode(kind: str, batch: int, key: str = "tok_s") -> float | None:
         return runs.get(kind, {}).get("decode", {}).get(batch, {}).get(key)
 
     rows: list[tuple[str, str, bool | None]] = []
+    graphs = runs.get("tandem-graphs", {}).get("graphs", {})
+    captured, replays = graphs.get("load", {}).get("captured"), graphs.get("decode 1", {}).get("replays")
+    rows.append(("graphs captured at load and replayed in batch-1 decode",
+                 "-" if replays is None else f"{captured} captured, {replays} replays",
+                 None if replays is None else bool(captured) and replays > 0))
     share = decode("tandem-graphs", 1, "hbm_fraction")
     rows.append(("batch-1 decode (graphs) >= 70% of HBM bandwidth", f"{100 * share:.1f}%" if share else "-",
                  share >= 0.7 if share else None))
     for label, (a, b), bar in (("batch 32 (graphs) >= 5x HF generate", (("tandem-graphs", 32), ("hf", 32)), 5.0),
-                               ("graphs >= 1.3x uncaptured (eager) at batch 1",
-                                (("tandem-graphs", 1), ("tandem-eager", 1)), 1.3)):
+                               ("graphs >= 1.3x uncaptured (compiled, no graphs) at batch 1",
+                                (("tandem-graphs", 1), ("tandem-compiled", 1)), 1.3),
+                               ("graphs / eager at batch 1 (reference)",
+                                (("tandem-graphs", 1), ("tandem-eager", 1)), None)):
         x, y = decode(*a), decode(*b)
-        rows.append((label, _ratio(x, y), x / y >= bar if x and y else None))
+        rows.append((label, _ratio(x, y), x / y >= bar if x and y and bar else None))
     pairs = ("tandem-graphs vs tandem-eager", "hf vs tandem-eager")
     counts = [parity.get(p) for p in pairs]
     rows.append(("greedy tokens (graphs) equal eager and HF",

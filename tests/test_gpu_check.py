@@ -1,5 +1,8 @@
 """benchmarks/gpu_check.py runs on a GPU only in sessions that are lent one, in one call: its CPU dry run here
-(`--device cpu --scale tiny`) must produce every row, agree with HF in float32, and write the table to --out."""
+(`--device cpu --scale tiny`) must produce every row, agree with HF in float32, and write the table to --out. Its
+compiled runners run here in-process, tandem-graphs through test_piecewise_graphs' CPU stand-in graph: their rows must
+show the graphs captured at load and replayed in decode (none for tandem-compiled), and issue 47's 1.3x target must
+compare the two."""
 
 from __future__ import annotations
 
@@ -13,7 +16,10 @@ from typing import Any
 
 import pytest
 import torch
+from test_piecewise_graphs import StandInGraph
 
+import tandem.compilation.compile as compile_mod
+from tandem import native
 from tandem.bench.random_model import build_random_model, random_config
 from tandem.config import CompilationConfig
 
@@ -50,7 +56,10 @@ def test_dry_run_measures_every_row(gpu_check: tuple[dict, str]) -> None:
         point = report["results"]["models"][m]["runners"]["tandem-eager"]["decode"]["1"]
         assert point["tok_s"] > 0 and point["step_bytes"] > 0, f"{m} decode batch 1: {point}"
         assert f"| {m} (float32) | tandem-eager | hf | tandem-eager / hf |" in markdown, f"{m}: no summary table"
-    assert [t[0] for t in report["results"]["targets"]][0].startswith("batch-1 decode"), report["results"]["targets"]
+    targets = [t[0] for t in report["results"]["targets"]]
+    assert targets[:1] == ["graphs captured at load and replayed in batch-1 decode"], targets
+    assert "graphs >= 1.3x uncaptured (compiled, no graphs) at batch 1" in targets, targets
+    assert "graphs / eager at batch 1 (reference)" in targets, targets
     assert "| issue 47 target (llama1b) | measured | met |" in markdown
 
 
@@ -80,6 +89,47 @@ def test_graphs_config_and_attention_backend_flags() -> None:
     both = script.attention_config(["PAGED_SDPA", "PAGED_MLA"])
     assert both == {"backend_per_kind": {"full_attention": "PAGED_SDPA", "mla_attention": "PAGED_MLA"}}, both
     assert script.attention_config(["NOT_YET_WRITTEN"]) == {"backend": "NOT_YET_WRITTEN"}
+
+
+class Rows:
+    """gpu_check's Table as check_model uses it: each check run at once, its row kept."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, tuple[str, bool]] = {}
+
+    def check(self, label: str, fn: Any) -> None:
+        self.rows[label] = fn()
+
+
+def test_graphs_rows_show_captures_and_replays_and_the_target_compares_graphs_with_uncaptured(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the CPU stand-in graph, as test_piecewise_graphs runs engines with it (the small-row GEMM's ContextVar would
+    # break the forward, which then compiles with its guards and without graphs)
+    monkeypatch.setattr(native, "serves_gemm", lambda x, weight: False)
+    monkeypatch.setattr(compile_mod, "_cpu_graph_factory", StandInGraph)
+    script, realistic = _benchmark("gpu_check"), _benchmark("gpu_realistic")
+    args = script.parse_args(["--device", "cpu", "--sections", "decode", "--runners", "tandem-compiled",
+                              "tandem-graphs", "--decode-batches", "1", "2", "--decode-prompt-len", "8",
+                              "--decode-tokens", "2", "--realistic-dtype", "float32"])
+    folder = build_random_model("llama1b", tmp_path / "m", tiny=True)
+    table, plan = Rows(), script.make_plan(args, 4800.0, None)
+    results = realistic.check_model(table, "llama1b", folder, plan)
+    compiled = {label: row for label, row in table.rows.items() if "tandem-compiled" in label}
+    assert len(compiled) == 3 and all(row == (row[0], True) and row[0].endswith("; no graphs")
+                                      for row in compiled.values()), compiled
+    load, passed = table.rows["llama1b tandem-graphs: load"]
+    assert passed and "graphs: " in load and " 0 captured" not in load, f"the warmup captured no graphs: {load}"
+    for batch in (1, 2):
+        decode, passed = table.rows[f"llama1b tandem-graphs: decode batch {batch}"]
+        graphs = results["runners"]["tandem-graphs"]["graphs"][f"decode {batch}"]
+        assert passed and graphs["captured"] == 0 and graphs["replays"] > 0 and not graphs["failed"], decode
+        assert decode.endswith(f"; graphs: 0 captured, {graphs['replays']} replays"), decode
+    targets = {label: (measured, met) for label, measured, met in realistic.targets(results)}
+    assert targets["graphs captured at load and replayed in batch-1 decode"][1] is True, targets
+    measured, met = targets["graphs >= 1.3x uncaptured (compiled, no graphs) at batch 1"]
+    assert measured.endswith("x") and met is not None, targets  # the ratio is a CPU stand-in's: not the target's
+    header = "| llama1b (float32) | tandem-compiled | tandem-graphs | tandem-graphs / tandem-compiled |"
+    assert realistic.summary("llama1b", results, plan)[0] == header
 
 
 def test_decode_bytes_count_the_experts_a_batch_touches(tmp_path: Path) -> None:

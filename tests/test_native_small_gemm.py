@@ -131,9 +131,17 @@ def test_cpu_gemm_routes_few_rows_native_and_the_rest_to_pytorch(monkeypatch: py
             torch.testing.assert_close(cpu_gemm.linear(x, w_big, None, packed), F.linear(x, w_big),
                                        rtol=1e-4, atol=1e-4)
             assert len(calls) == (rows <= cpu_gemm.SMALL_ROWS_PACKED)
-    # callers the kernel does not serve: bf16, autograd, a non-contiguous weight
+    # bfloat16: one row native (cpu_gemm.SMALL_ROWS_BF16), more rows on oneDNN / F.linear
+    for rows in (1, 2):
+        calls.clear()
+        x = torch.randn(rows, 64, generator=gen).bfloat16()
+        got = cpu_gemm.linear(x, w.bfloat16(), b.bfloat16(), None)
+        torch.testing.assert_close(got.float(), F.linear(x.float(), w.bfloat16().float(), b.bfloat16().float()),
+                                   rtol=1e-2, atol=1e-2)
+        assert len(calls) == (rows <= cpu_gemm.SMALL_ROWS_BF16)
+    # callers the kernel does not serve: float64, autograd, a non-contiguous weight
     calls.clear()
-    cpu_gemm.linear(torch.randn(2, 64).bfloat16(), w.bfloat16(), None, None)
+    cpu_gemm.linear(torch.randn(1, 64, dtype=torch.float64), w.double(), None, None)
     cpu_gemm.linear(torch.randn(2, 64, requires_grad=True), w, None, None)
     cpu_gemm.linear(torch.randn(2, 96), w.t(), None, None)
     assert calls == []

@@ -50,6 +50,11 @@ _CPU_HAS_BF16_DOT = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_t
 # [576, 256] 19/12 at 1 row, 54/35 at 4, 54/71 at 8, 79/111 at 16; [2048, 256] 65/43, 188/119, 191/217, 268/414
 SMALL_ROWS = 16 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 4
 SMALL_ROWS_PACKED = 4  # ... and a packed one
+# bfloat16: one row (a batch-1 decode's GEMV, 16 weight rows in flight, avx512_bf16 dot products where the CPU has
+# them). Measured, cold weights (AMD EPYC avx512_bf16, 2 threads, us, oneDNN packed / native): [960, 576] 66/55,
+# [576, 576] 44/35, [576, 1536] 97/65, [3072, 576] 159/163 at one row; at two rows oneDNN's packed GEMM is as fast
+# or faster ([3072, 576] 171/239)
+SMALL_ROWS_BF16 = 1
 SMALL_MAX_ELEMENTS = 1 << 22  # weights past 16 MiB of float32 (LM heads) stay on oneDNN / MKL
 
 
@@ -61,8 +66,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     # compiled pieces: inductor's freezing packs what eager mode would have packed (prepack_linears packs only the
     # LM head there), so the same row limits apply; the guard on rows splits the compiled graphs at those limits
     packs = packed is not None or (compiling and weight.numel() >= PACK_MIN_ELEMENTS)
-    if rows <= (SMALL_ROWS_PACKED if packs else SMALL_ROWS) and weight.numel() <= SMALL_MAX_ELEMENTS \
-            and weight.is_contiguous() and native.serves_gemm(x, weight):
+    limit = SMALL_ROWS_BF16 if weight.dtype == torch.bfloat16 else SMALL_ROWS_PACKED if packs else SMALL_ROWS
+    if rows <= limit and weight.numel() <= SMALL_MAX_ELEMENTS and weight.is_contiguous() \
+            and native.serves_gemm(x, weight):
         return native.small_linear(x.reshape(rows, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
     if packed is None or compiling:  # the compiler packs (freezing) what it compiles
         return F.linear(x, weight, bias)

@@ -61,11 +61,13 @@ STALE_BUILD_LOCK_S = 600.0
 # and SmolLM2-135M's bf16 decode gains 1.17x (32 rows, an in-process A/B). On the
 # tiny deepseek_v3 (MLA) checkpoint the difference flips a router's top-k and the tokens part far from HF's (a gap of
 # 0.43 at the first difference, the rule's tie is 0.03), so bf16 MLA keeps the PyTorch path, whose absorbed-MLA
-# matmuls round as HF's do. The small-row GEMM serves float32 only (its callers check); the elementwise kernels serve
-# both dtypes (ELEMENTWISE_DTYPES), with Hugging Face's bf16 roundings.
+# matmuls round as HF's do. The small-row GEMM serves float32 and bfloat16 (GEMM_DTYPES: float32 sums, one rounding,
+# as oneDNN's bf16 GEMM); the elementwise kernels serve both dtypes (ELEMENTWISE_DTYPES), with Hugging Face's bf16
+# roundings.
 NATIVE_DTYPES = (torch.float32,)
 NATIVE_DTYPES_WITHOUT_MLA = (torch.float32, torch.bfloat16)
 ELEMENTWISE_DTYPES = (torch.float32, torch.bfloat16)
+GEMM_DTYPES = (torch.float32, torch.bfloat16)  # the small-row GEMM's (bf16: tandem/layers/cpu_gemm.py's rows)
 
 
 @dataclass(frozen=True)
@@ -237,8 +239,9 @@ def _enabled_when_traced() -> bool:
 
 
 def serves_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """serves() for the small-row GEMM: float32, in eager models and compiled pieces alike."""
-    return serves(x, weight, in_compiled=True)
+    """serves() for the small-row GEMM: float32 or bfloat16 (x's and the weight's dtype alike), in eager models and
+    compiled pieces alike."""
+    return weight.dtype == x.dtype and serves(x, weight, dtypes=GEMM_DTYPES, in_compiled=True)
 
 
 def serves_elementwise(x: torch.Tensor, *params: torch.Tensor) -> bool:

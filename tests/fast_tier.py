@@ -39,6 +39,7 @@ FAST_FILES = (
     "tests/test_prometheus.py",
     "tests/test_proposer_interface.py",
     "tests/test_rejection_sampler.py",
+    "tests/test_request_metrics.py",
     "tests/test_sampling.py",
     "tests/test_sharded_kv.py",
     "tests/test_shutdown_frees_memory.py",

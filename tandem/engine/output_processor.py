@@ -6,6 +6,7 @@ when the request finishes.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -68,6 +69,9 @@ class OutputProcessor:
     def _append_token(self, req: Request, token: int, logprobs: dict[int, float] | None) -> None:
         sp = req.sampling_params
         req.output_token_ids.append(token)
+        req.last_token_time = time.monotonic()
+        if req.first_token_time is None:
+            req.first_token_time = req.last_token_time
         self.stats.num_generation_tokens += 1
         if logprobs is not None and sp.logprobs is not None:  # a batch-mate may have asked; this request did not
             if req.logprobs is None:
@@ -93,6 +97,7 @@ class OutputProcessor:
                                or req.num_tokens >= self.max_model_len):
             reason = "length"
         if reason is not None:
+            req.finished_time = req.last_token_time
             self.scheduler.finish(req, reason, stop_reason)
             self.stats.num_requests_finished += 1
 
@@ -116,7 +121,8 @@ class OutputProcessor:
         completion = CompletionOutput(0, text, list(req.output_token_ids), req.finish_reason, req.stop_reason,
                                       req.logprobs)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished=True,
-                             num_cached_tokens=max(req.num_cached_tokens, 0), prompt_logprobs=req.prompt_logprobs)
+                             num_cached_tokens=max(req.num_cached_tokens, 0), metrics=req.metrics(),
+                             prompt_logprobs=req.prompt_logprobs)
 
     @staticmethod
     def record_prompt_logprobs(plan: StepPlan, output: StepOutput, requests: dict[str, Request]) -> None:

@@ -21,6 +21,21 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
     return replace(params, n=1, seed=seed)
 
 
+def merged_metrics(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    """The parent's timings from its children's: the earliest start of each kind, the latest end, tokens summed."""
+    out = dict(a)
+    for name, value in b.items():
+        if name not in out:
+            out[name] = value
+        elif name in ("last_token_time", "finished_time"):
+            out[name] = max(out[name], value)
+        elif name == "num_generation_tokens":
+            out[name] += value
+        else:
+            out[name] = min(out[name], value)
+    return out
+
+
 def child_id(parent_id: str, index: int) -> str:
     return f"{index}_{parent_id}"
 
@@ -34,6 +49,7 @@ class ParentRequest:
     done: dict[int, CompletionOutput] = field(default_factory=dict)
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
 
     def finish_child(self, index: int, output: RequestOutput) -> RequestOutput | None:
         """Record child `index`'s completion; the gathered output once every child has finished."""
@@ -42,8 +58,10 @@ class ParentRequest:
         self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
         if self.prompt_logprobs is None:
             self.prompt_logprobs = output.prompt_logprobs  # the same prompt in every child
+        self.metrics = merged_metrics(self.metrics, output.metrics)
         if len(self.done) < len(self.children):
             return None
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
                              [self.done[i] for i in range(len(self.children))], finished=True,
-                             num_cached_tokens=self.num_cached_tokens, prompt_logprobs=self.prompt_logprobs)
+                             num_cached_tokens=self.num_cached_tokens, metrics=self.metrics,
+                             prompt_logprobs=self.prompt_logprobs)

@@ -34,8 +34,25 @@ class Request:
     output_text: str = ""
     logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None  # filled as the prompt is computed
+    # time.monotonic() seconds: RequestOutput.metrics (vLLM's request timings)
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    def metrics(self) -> dict[str, float]:
+        """arrival / first_scheduled / first_token / last_token / finished times (the ones reached), and the
+        derived time_in_queue and time_to_first_token (from arrival), plus num_generation_tokens."""
+        out = {name: value for name in ("arrival_time", "first_scheduled_time", "first_token_time",
+                                         "last_token_time", "finished_time")
+               if (value := getattr(self, name)) is not None}
+        if self.first_scheduled_time is not None:
+            out["time_in_queue"] = self.first_scheduled_time - self.arrival_time
+        if self.first_token_time is not None:
+            out["time_to_first_token"] = self.first_token_time - self.arrival_time
+        out["num_generation_tokens"] = float(len(self.output_token_ids))
+        return out
 
     @property
     def num_tokens(self) -> int:

@@ -8,6 +8,7 @@ front, to be recomputed later from its prompt + generated tokens.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from tandem.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
@@ -83,6 +84,7 @@ class Scheduler:
             self.block_manager.record_prefix_query(req.num_tokens, hit)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = hit
+                req.first_scheduled_time = time.monotonic()
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)

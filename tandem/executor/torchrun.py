@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.config import EngineConfig
-from tandem.distributed.init import build_groups, collective_timeout_s, rank_device
+from tandem.distributed.init import build_groups, init_distributed, rank_device
 from tandem.executor.multiproc import EngineDeadError
 from tandem.runner.model_runner import ModelRunner
 from tandem.step_plan import StepOutput, StepPlan
@@ -38,9 +38,7 @@ class TorchrunExecutor:
             raise ValueError(f"torchrun started {world} ranks but tensor_parallel_size x "
                              f"prefill_context_parallel_size = {config.parallel_config.world_size}")
         config = dataclasses.replace(config, device=rank_device(config.device, int(os.environ.get("LOCAL_RANK", 0))))
-        backend = "nccl" if config.device.startswith("cuda") else "gloo"
-        dist.init_process_group(backend, init_method="env://",
-                                timeout=timedelta(seconds=collective_timeout_s()))
+        init_distributed(int(os.environ["RANK"]), world, "env://", config.device)  # NCCL on CUDA, else gloo
         self.rank = dist.get_rank()  # the launcher's rank is the one global read, here at the entry point
         self.control = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
         self.runner = ModelRunner(config, build_groups(config.parallel_config, self.rank))

@@ -140,7 +140,8 @@ class TritonMetadata:
     on first use: GQA and MLA layers of one batch may tile differently)."""
 
     query_start_loc_cpu: torch.Tensor  # [num_rows + 1] int32
-    seq_lens_cpu: torch.Tensor  # [num_rows] int32
+    longest_row: int  # queries of the batch's longest row (tiles are sized for it)
+    longest_keys: int  # keys the batch's longest row sees (key splits are sized for it)
     query_start_loc: torch.Tensor  # [num_rows + 1] int32, on the device
     seq_lens: torch.Tensor  # [num_rows] int32
     positions: torch.Tensor  # [num_tokens] int64
@@ -155,13 +156,11 @@ class TritonMetadata:
     def tiles_for(self, num_q_per_kv: int) -> tuple[int, torch.Tensor, torch.Tensor]:
         """(block_q, tile_row [num_tiles] int32, tile_start [num_tiles] int32): tiles sized for the longest row,
         decode rows the smallest tile tl.dot allows, prompt chunks up to MAX_BLOCK_M query vectors."""
-        qsl = self.query_start_loc_cpu.numpy()
-        longest = int(np.diff(qsl).max()) if qsl.shape[0] > 1 else 1
         bh = block_h(num_q_per_kv)
-        block_q = max(min(triton.next_power_of_2(max(longest, 1)), max(MAX_BLOCK_M // bh, 1)),
+        block_q = max(min(triton.next_power_of_2(max(self.longest_row, 1)), max(MAX_BLOCK_M // bh, 1)),
                       max(MIN_BLOCK_M // bh, 1))
         if block_q not in self.tiles:
-            tile_row, tile_start = plan_tiles(qsl, block_q)
+            tile_row, tile_start = plan_tiles(self.query_start_loc_cpu.numpy(), block_q)
             device = self.positions.device
             self.tiles[block_q] = (torch.from_numpy(tile_row).to(device), torch.from_numpy(tile_start).to(device))
         return block_q, *self.tiles[block_q]
@@ -189,7 +188,9 @@ def triton_metadata(batch: AttentionBatch) -> TritonMetadata:
         write_rows = batch.write_rows[torch.from_numpy(keep).to(batch.write_rows.device)]
         write_slots = torch.from_numpy(local.astype(np.int64)).to(device)
     return TritonMetadata(
-        query_start_loc_cpu=batch.query_start_loc_cpu, seq_lens_cpu=batch.seq_lens_cpu,
+        query_start_loc_cpu=batch.query_start_loc_cpu,
+        longest_row=int(batch.query_start_loc_cpu.diff().max()) if batch.query_start_loc_cpu.numel() > 1 else 1,
+        longest_keys=int(batch.seq_lens_cpu.max()) if batch.seq_lens_cpu.numel() else 0,
         query_start_loc=batch.query_start_loc_cpu.to(device=device, dtype=torch.int32),
         seq_lens=batch.seq_lens_cpu.to(device=device, dtype=torch.int32), positions=batch.positions,
         block_table=batch.block_table.to(torch.int32), block_size=batch.block_size, write_rows=write_rows,
@@ -220,7 +221,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_tiles = tile_row.shape[0]
     bh = block_h(num_q_per_kv)
     head_tiles = -(-num_q_per_kv // bh)
-    longest_keys = int(meta.seq_lens_cpu.max()) if meta.seq_lens_cpu.numel() else 0
+    longest_keys = meta.longest_keys
     splits = num_splits or num_key_splits(num_tiles * num_kv_heads * head_tiles, longest_keys, q.is_cuda)
     keys_per_split = -(-max(longest_keys, 1) // (splits * BLOCK_N)) * BLOCK_N
     splits = -(-max(longest_keys, 1) // keys_per_split)  # no split left without keys

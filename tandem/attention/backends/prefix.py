@@ -41,7 +41,8 @@ def paged_metadata(backend: type[AttentionBackend],
 
 
 def write_kv(cache_flat: torch.Tensor, new: torch.Tensor, meta: AttentionBatch | ShardedAttentionMetadata) -> None:
-    # cache_flat: [num_slots, ...]; new: [num_tokens, ...]
+    # cache_flat: [num_slots, ...]; new: [num_tokens, ...]. Any metadata with write_rows / write_slots (the Triton
+    # backends' TritonMetadata too)
     if not meta.write_rows.numel():
         return
     # a step writes all its rows in order (one rank, no padding): new's leading rows as they lie, not a gathered copy

@@ -14,16 +14,10 @@ from __future__ import annotations
 import torch
 
 from tandem.attention.backend import AttentionBackend, register_backend
+from tandem.attention.backends.prefix import write_kv
 from tandem.attention.batch import AttentionBatch
-from tandem.attention.kv_dtype import store_rows
 from tandem.attention.mla import MLAUpProjection, absorb, up_project
 from tandem.attention.triton_paged import TritonMetadata, paged_attention, triton_metadata
-
-
-def _write(cache_flat: torch.Tensor, new: torch.Tensor, meta: TritonMetadata) -> None:
-    # cache_flat: [num_slots, ...]; new: [num (gathered) new rows, ...] already in the cache's dtype
-    if meta.write_rows.numel():
-        store_rows(cache_flat, meta.write_slots, new[meta.write_rows].to(cache_flat.dtype))
 
 
 @register_backend
@@ -54,8 +48,8 @@ class TritonAttentionBackend(AttentionBackend):
         # q: [T, Hq, D]; k, v: [T(gathered), Hkv, D] -> [T, Hq, D]
         assert v is not None
         k_flat, v_flat = kv_cache[0].flatten(0, 1), kv_cache[1].flatten(0, 1)  # [num_slots, Hkv, D]
-        _write(k_flat, k, meta)
-        _write(v_flat, v, meta)
+        write_kv(k_flat, k, meta)
+        write_kv(v_flat, v, meta)
         return paged_attention(q, k_flat, v_flat, meta, scale, v_flat.shape[-1])[0]
 
     @staticmethod
@@ -63,8 +57,8 @@ class TritonAttentionBackend(AttentionBackend):
                         meta: TritonMetadata, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [T_global, Hq, D] -> (out [T_global, Hq, D] float32, lse [T_global, Hq]) over the owned keys
         k_flat, v_flat = kv_cache[0].flatten(0, 1), kv_cache[1].flatten(0, 1)  # [num_local_slots, Hkv, D]
-        _write(k_flat, k, meta)
-        _write(v_flat, v, meta)
+        write_kv(k_flat, k, meta)
+        write_kv(v_flat, v, meta)
         out, lse = paged_attention(q, k_flat, v_flat, meta, scale, v_flat.shape[-1], with_lse=True)
         assert lse is not None
         return out, lse
@@ -104,7 +98,7 @@ class TritonMLABackend(AttentionBackend):
     def forward_mla(q_nope: torch.Tensor, q_pe: torch.Tensor, entries: torch.Tensor, kv_cache: torch.Tensor,
                     meta: TritonMetadata, scale: float, up: MLAUpProjection) -> torch.Tensor:
         # q_nope: [T, H, nope]; q_pe: [T, H, rope]; entries: [T(gathered), L + rope] -> [T, H, v]
-        _write(kv_cache.flatten(0, 1), entries, meta)
+        write_kv(kv_cache.flatten(0, 1), entries, meta)
         o_latent = TritonMLABackend._absorbed(absorb(q_nope, q_pe, up), kv_cache, meta, scale, up, False)[0]
         return up_project(o_latent, up)
 
@@ -113,7 +107,7 @@ class TritonMLABackend(AttentionBackend):
                             meta: TritonMetadata, scale: float,
                             up: MLAUpProjection) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [T_global, H, nope + rope] -> (out [T_global, H, v] float32, lse [T_global, H]) over the owned latents
-        _write(kv_cache.flatten(0, 1), entries, meta)
+        write_kv(kv_cache.flatten(0, 1), entries, meta)
         nope = up.w_uk.shape[1]
         o_latent, lse = TritonMLABackend._absorbed(absorb(q[..., :nope], q[..., nope:], up), kv_cache, meta, scale,
                                                    up, True)

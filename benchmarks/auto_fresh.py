@@ -3,13 +3,15 @@
     python benchmarks/auto_fresh.py [MODEL] --speculative-config '{"method": "mtp"}' --max-k 3 --batch 1 16 \
         --num-prompts 6 16 --max-tokens 96 --rounds 3 [--threads 1] [--json out.json]
 
-Each round builds one fresh engine per config (no-spec, K = 1..max-k, "auto"; the order rotates by round), times
-its first `generate` of the GSM8K test prompts (chat template, greedy, exactly --max-tokens each) and shuts it
-down: "auto" starts from its start-up profile alone every round, as a new user's engine does. Batch 1 runs its
-prompts one after another (max_num_seqs 1), batch B > 1 all at once. Reported: each config's median tok/s over
-rounds, and "auto" over the best fixed choice (the config of the best median): the ratio of medians, and paired
-within each round (the median over rounds of the per-round ratio), which a drift of the machine's speed between
-rounds does not move.
+Each round builds one fresh engine per config (no-spec, K = 1..max-k, "auto"; the build order rotates by round),
+queues the same GSM8K test prompts on each (chat template, greedy, exactly --max-tokens each) and steps the engines
+in turn, one step each, until all are done; a config's tok/s is its output tokens over the seconds of its own steps.
+Taking turns step by step puts every config in the same seconds of the machine, whose speed drifts by 10-20%
+between runs a minute apart (timed one after another, single engines differed by up to ~15%). "auto" starts from
+its start-up profile alone every round, as a new user's engine does. Batch 1 runs its prompts one after another
+(max_num_seqs 1), batch B > 1 all at once. Reported: each config's median tok/s over rounds, and "auto" over the
+best fixed choice (the config of the best median): the ratio of medians, and paired within each round (the median
+over rounds of the per-round ratio).
 """
 
 from __future__ import annotations
@@ -28,18 +30,30 @@ from tandem.bench.machine import describe, machine_info
 from tandem.bench.prompts import prompt_texts
 
 
-def run_once(model: str, spec: dict | None, texts: list[str], batch: int, args: argparse.Namespace) -> float:
-    """Output tokens/s of one fresh engine's first generate."""
-    llm = LLM(model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=batch,
-              speculative_config=spec)
+def run_round(model: str, configs: dict[str, dict | None], order: list[str], texts: list[str], batch: int,
+              args: argparse.Namespace) -> dict[str, float]:
+    """Output tokens/s of each config's fresh engine, the engines stepped in turn."""
+    engines = {}
     try:
+        for name in order:
+            engines[name] = LLM(model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=batch,
+                                speculative_config=configs[name]).engine
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-        start = time.perf_counter()
-        outs = llm.generate(texts, params, use_tqdm=False)
-        wall = time.perf_counter() - start
-        return sum(len(o.outputs[0].token_ids) for o in outs) / wall
+        for engine in engines.values():
+            for text in texts:
+                engine.add_request(text, params)
+        seconds, tokens = dict.fromkeys(engines, 0.0), dict.fromkeys(engines, 0)
+        while any(engine.has_unfinished_requests() for engine in engines.values()):
+            for name, engine in engines.items():
+                if engine.has_unfinished_requests():
+                    start = time.perf_counter()
+                    finished = engine.step()
+                    seconds[name] += time.perf_counter() - start
+                    tokens[name] += sum(len(out.outputs[0].token_ids) for out in finished)
+        return {name: tokens[name] / seconds[name] for name in engines}
     finally:
-        llm.shutdown()
+        for engine in engines.values():
+            engine.shutdown()
 
 
 def main() -> None:
@@ -72,8 +86,10 @@ def main() -> None:
         rates: dict[str, list[float]] = {name: [] for name in configs}
         names = list(configs)
         for r in range(args.rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:
-                rates[name].append(run_once(args.model, configs[name], texts, batch, args))
+            result = run_round(args.model, configs, names[r % len(names):] + names[:r % len(names)], texts, batch,
+                               args)
+            for name, rate in result.items():
+                rates[name].append(rate)
         medians = {name: statistics.median(v) for name, v in rates.items()}
         best = max((name for name in names if name != "auto"), key=medians.__getitem__)
         paired = [rates["auto"][r] / rates[best][r] for r in range(args.rounds)]

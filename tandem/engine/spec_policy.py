@@ -6,11 +6,14 @@
   verified rows (vLLM's per-position acceptance average). A position no recent step verified leans on the one
   before it, so the drafts a K never run would add are priced as the last position tried fared.
 - seconds(rows, K): a table measured at start-up (`profile`: synthetic decode steps through the real executor at 1,
-  2, 4, ... rows and every K, the median of ROUNDS), interpolated between row counts, plus for each (row count, K)
-  the median of what its last RECENT served steps took beyond it (the profile's short contexts, the engine's own
-  work around the executor). An entry no served step ran stays the profile's: a little cheap (a served step adds
-  scheduling and output processing), so that the policy tries it and learns its price; lending it another K's
-  correction passed that K's own profile error on (16 rows: K = 0 priced 9% high, K = 1 kept for good).
+  2, 4, ... rows and every K, the median of ROUNDS), interpolated between row counts, times what served steps took
+  over it (the profile's short contexts, the engine's own work around the executor): per (row count, K) the median
+  ratio of its served steps among the last FRESH, an entry with fewer than TRUSTED of them filling the missing votes
+  with the median ratio of the last SHARED steps served at that row count, any K. The machine's speed drifts by 30%
+  over tens of steps: a K last served in a slow minute must not keep that price (two slow K = 3 steps priced it
+  13.5 ms against 9 ms served, and it never ran again), nor may a K not served lately keep the profile's bare price
+  while every step costs more (~800-token contexts: K flipped to a K it had not run, only to learn its price). A
+  ratio, not a difference: attending long contexts costs in proportion to the tokens a step verifies.
 - A switch of K discards the pending drafts (and from K = 0 catches deferred work up), so K moves only for a gain
   above SWITCH_MARGIN.
 - At K = 0 no draft is verified, so acceptance would never be seen again: after `explore_after` steps there the
@@ -44,13 +47,16 @@ from tandem.step_plan import RowSampling, ScheduledRow, StepOutput, StepPlan
 logger = logging.getLogger("tandem")
 
 SWITCH_MARGIN = 0.03
-HALF_LIFE = 128.0  # verified rows over which an acceptance count halves
+HALF_LIFE = 96.0  # verified rows over which an acceptance count halves
 STALE_HALF_LIFE = 64.0  # steps verifying nothing over which the evidence behind it halves: it ages
 FIRST_PRIOR, FIRST_WEIGHT = 0.5, 2.0  # a_1 before any verification, in pseudo-counts
 # pseudo-counts of a later position toward the one before it: conditional rates differ little between positions,
 # and at batch 1 two early rejections at position 2 otherwise held MTP at K = 1 for 60 steps
 POOL_WEIGHT = 8.0
-RECENT = 9  # served steps whose median time beyond the table corrects an entry: a stall moves no median
+RECENT = 9  # served steps whose median ratio to the table corrects an entry: a stall moves no median
+FRESH = 128  # steps after which a served step no longer prices its entry
+TRUSTED = 2  # an entry's fresh served steps before they alone price it
+SHARED = 5  # the last served steps at a row count, any K, that fill an entry's missing votes
 OPTIMISM = 2.0  # standard errors: drafting at K = 0 is tried only where it could pay
 PROBE_EVERY = 32
 EXPLORE_AFTER, MAX_EXPLORE_AFTER = 32, 512
@@ -74,7 +80,9 @@ class SpecPolicy:
         self.accepted, self.tried = [0.0] * max_k, [0.0] * max_k  # decayed counts per draft position
         self.evidence = [0.0] * max_k  # `tried`, aged by steps that verify nothing too: the bound's width
         self.k = 0
-        self.steps_at_zero, self.explore_after = 0, EXPLORE_AFTER
+        # a fresh engine's first stop rests on a few rows, the first drafts after a prompt, which are accepted least
+        # (bundled MTP: 0.69 over a request's first 10 drafts, 0.9 after them): it looks again sooner
+        self.steps_at_zero, self.explore_after = 0, EXPLORE_AFTER // 2
         # rows and steps that verified drafts since drafting last started: a fresh engine drafts until it has seen some
         self.explored = self.explored_steps = 0
         self.steps_drafting = 0
@@ -83,9 +91,11 @@ class SpecPolicy:
     def set_costs(self, rows: list[int], seconds: list[list[float]]) -> None:
         """`seconds[i][K]`: a step of rows[i] decode rows at K (ascending row counts)."""
         self.rows, self.table = rows, seconds
-        # the profile's own figure is the first vote: one served step's outlier is not yet the entry's price
-        self.recent: list[list[deque[float]]] = [[deque([0.0], maxlen=RECENT) for _ in range(self.max_k + 1)]
-                                                for _ in rows]
+        # served / profiled seconds: (served step number, ratio) per row count and K; ratios per row count, any K
+        self.recent: list[list[deque[tuple[int, float]]]] = [[deque(maxlen=RECENT) for _ in range(self.max_k + 1)]
+                                                             for _ in rows]
+        self.shared: list[deque[float]] = [deque(maxlen=SHARED) for _ in rows]
+        self.served = 0
 
     # -- pricing -------------------------------------------------------------------------------------------------
     def acceptance(self) -> list[float]:
@@ -120,7 +130,12 @@ class SpecPolicy:
     def seconds(self, num_rows: int) -> list[float]:
         """Predicted seconds of a step of num_rows decode rows at each K = 0..K_max."""
         profiled, nearest = self._profiled(num_rows)
-        return [max(t + statistics.median(r), 1e-9) for t, r in zip(profiled, self.recent[nearest], strict=True)]
+        shared = statistics.median(self.shared[nearest]) if self.shared[nearest] else 1.0
+        out = []
+        for t, recent in zip(profiled, self.recent[nearest], strict=True):
+            own = [ratio for step, ratio in recent if self.served - step < FRESH]
+            out.append(max(t * statistics.median([*own, *[shared] * (TRUSTED - len(own))]), 1e-9))
+        return out
 
     # -- choosing ------------------------------------------------------------------------------------------------
     def choose(self, num_rows: int) -> int:
@@ -186,7 +201,9 @@ class SpecPolicy:
             r.num_draft_tokens for r in plan.rows) == k
         if steady:
             profiled, nearest = self._profiled(len(plan.rows))
-            self.recent[nearest][k].append(step_s - profiled[k])
+            self.served += 1
+            self.recent[nearest][k].append((self.served, step_s / profiled[k]))
+            self.shared[nearest].append(step_s / profiled[k])
 
     def metrics(self) -> list[Metric]:
         return [Vector("tandem:spec_policy_chosen_k", list(self.chosen), label="k"),

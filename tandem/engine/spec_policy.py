@@ -247,13 +247,16 @@ def profile(policy: SpecPolicy, execute: Callable[[StepPlan], StepOutput], confi
     def step(subset: list[tuple[str, list[int], list[int]]], k: int, prefill: bool) -> float:
         scheduled = [ScheduledRow(rid, list(tokens), 0, blocks, True, GREEDY) if prefill else
                      ScheduledRow(rid, [tokens[-1], *drafts[rid][:k]], len(tokens) - 1, blocks, False, GREEDY,
-                                  num_draft_tokens=len(drafts[rid][:k])) for rid, blocks, tokens in subset]
+                                  num_draft_tokens=k) for rid, blocks, tokens in subset]
         start = time.perf_counter()
         output = execute(StepPlan(scheduled, num_spec_tokens=k))
         seconds = time.perf_counter() - start
         for s, (rid, _, tokens) in enumerate(subset):
             tokens += output.sampled_token_ids[s]
-            drafts[rid] = list(output.draft_token_ids[s]) if output.draft_token_ids else []
+            proposed = list(output.draft_token_ids[s]) if output.draft_token_ids else []
+            # random prompts give an n-gram drafter nothing to match: without padding its K > 0 steps would verify
+            # no draft and be priced as K = 0 steps
+            drafts[rid] = proposed + [rng.randrange(vocab) for _ in range(k_max - len(proposed))]
         return seconds
 
     per_prefill = max(budget // prompt, 1)

@@ -171,6 +171,27 @@ def test_without_a_profile_served_steps_teach_the_costs():
     assert auto.rate >= 0.9 * max(r.rate for r in fixed.values()), auto.ks[::10]
 
 
+def test_a_drifting_machine_speed_does_not_hold_k_at_another_minutes_price():
+    """The machine's speed drifts (a VM: 20-40% between minutes): every 25 steps all costs scale by a factor in
+    0.7-1.4. "auto" stays within 0.92x of the best fixed K, whether the best K is deep, 1 or none: a K priced in a slow
+    minute must not look dear in a fast one, nor one priced in a fast minute cheap in a slow one."""
+    def scaled(w: World, f: float) -> World:
+        return World(w.accept, w.base * f, w.per_token * f, w.draft_base * f, w.per_draft * f, w.draft_per_row,
+                     w.overhead * f)
+
+    for world in (World([0.85] * K_MAX, per_draft=0.0005), World([0.6] * K_MAX, per_draft=0.003),
+                  World([0.3] * K_MAX, per_draft=0.004)):
+        for rows in (1, 16):
+            for seed in range(6):
+                rng = random.Random(seed)
+                phases = [(25, scaled(world, 1.0 if i == 0 else rng.uniform(0.7, 1.4))) for i in range(12)]
+                auto, fixed = auto_vs_fixed(phases, rows, 300, seed)
+                best = max(fixed, key=lambda k: fixed[k].rate)
+                assert auto.rate >= 0.92 * fixed[best].rate, (
+                    f"{world} at {rows} rows, seed {seed}: auto {auto.rate:.1f} tok/s, best fixed K={best} "
+                    f"{fixed[best].rate:.1f}; auto chose {auto.ks[::5]}")
+
+
 def test_a_stall_moves_the_prices_little():
     """One step 50x its usual time (a GC pause, another process) must not move K to a clearly worse one."""
     world = World([0.9] * K_MAX, per_draft=0.0005)

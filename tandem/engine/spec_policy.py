@@ -8,12 +8,12 @@
 - seconds(rows, K): a table measured at start-up (`profile`: synthetic decode steps through the real executor at 1,
   2, 4, ... rows and every K, the median of ROUNDS), interpolated between row counts, times what served steps took
   over it (the profile's short contexts, the engine's own work around the executor): per (row count, K) the median
-  ratio of its served steps among the last FRESH, an entry with fewer than TRUSTED of them filling the missing votes
-  with the median ratio of the last SHARED steps served at that row count, any K. The machine's speed drifts by 30%
-  over tens of steps: a K last served in a slow minute must not keep that price (two slow K = 3 steps priced it
-  13.5 ms against 9 ms served, and it never ran again), nor may a K not served lately keep the profile's bare price
-  while every step costs more (~800-token contexts: K flipped to a K it had not run, only to learn its price). A
-  ratio, not a difference: attending long contexts costs in proportion to the tokens a step verifies.
+  ratio of its served steps among the last FRESH served, an entry with fewer than TRUSTED of them filling the
+  missing votes with the median ratio of the last SHARED steps served at that row count, any K. The machine's speed
+  drifts by 30% over tens of steps: a K last served in a slow minute must not keep that price (two slow K = 3 steps
+  priced it 13.5 ms against 9 ms served, and it never ran again), nor may a K not served lately keep the profile's
+  bare price while every step costs more (~800-token contexts: K flipped to a K it had not run, only to learn its
+  price). A ratio, not a difference: attending long contexts costs in proportion to the tokens a step verifies.
 - A switch of K discards the pending drafts (and from K = 0 catches deferred work up), so K moves only for a gain
   above SWITCH_MARGIN.
 - At K = 0 no draft is verified, so acceptance would never be seen again: after `explore_after` steps there the
@@ -54,7 +54,7 @@ FIRST_PRIOR, FIRST_WEIGHT = 0.5, 2.0  # a_1 before any verification, in pseudo-c
 # and at batch 1 two early rejections at position 2 otherwise held MTP at K = 1 for 60 steps
 POOL_WEIGHT = 8.0
 RECENT = 9  # served steps whose median ratio to the table corrects an entry: a stall moves no median
-FRESH = 128  # steps after which a served step no longer prices its entry
+FRESH = 16  # served steps after which one no longer prices its entry: older ones are another minute's speed
 TRUSTED = 2  # an entry's fresh served steps before they alone price it
 SHARED = 5  # the last served steps at a row count, any K, that fill an entry's missing votes
 OPTIMISM = 2.0  # standard errors: drafting at K = 0 is tried only where it could pay

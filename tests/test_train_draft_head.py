@@ -5,6 +5,7 @@ trained head accepts more than an untrained one."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -16,9 +17,9 @@ from tandem.train.draft_head.export import load_head
 from tandem.train.draft_head.features import FeatureStore
 from tandem.train.draft_head.head import DraftHead, HeadShape, rope, step0_logits
 from tandem.train.draft_head.loop import batches
-from tandem.train.draft_head.objective import evaluate, init_head
-from tandem.train.draft_head.pipeline import target_embed_and_head
-from tandem.train.draft_head.target_config import read_target_config
+from tandem.train.draft_head.objective import evaluate, init_from_target_layer, init_head
+from tandem.train.draft_head.pipeline import target_embed_and_head, target_layer_tensors
+from tandem.train.draft_head.target_config import aux_layer_ids, head_shape, read_target_config
 from tandem.train.draft_head.vocab import build_vocab
 
 SHAPE = HeadShape(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -116,6 +117,32 @@ def test_rope_matches_transformers():
     x = torch.randn(SHAPE.num_attention_heads, SHAPE.head_dim)
     got = rope(x[None, None], torch.tensor([[13]]), SHAPE.rope_theta)[0, 0]
     assert torch.allclose(got, _hf_rope(x, 13), atol=1e-5), (got - _hf_rope(x, 13)).abs().max()
+
+
+def test_target_layer_init_computes_that_target_layer(tiny_checkpoints):
+    """With the embedding half of q/k/v at zero, a head initialised from the target's last aux layer computes at step 0
+    exactly that layer over the aux stream: its pre-norm hidden is the target's stream entering the next layer."""
+    from transformers import AutoModelForCausalLM
+
+    target = tiny_checkpoints("llama", overrides={"num_hidden_layers": 6})
+    raw = read_target_config(target)
+    layers = aux_layer_ids(raw)
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32)
+    torch.manual_seed(4)
+    ids = torch.randint(0, raw["vocab_size"], (1, 12))
+    with torch.no_grad():
+        streams = model(ids, output_hidden_states=True).hidden_states  # [L + 1] x [1, T, H]
+    aux = torch.cat([streams[i] for i in layers], dim=-1)  # [1, T, 3H]
+    head = DraftHead(head_shape(raw, 64))
+    embed, lm_head = target_embed_and_head(target)
+    init_head(head, lm_head, build_vocab(Counter(), 64, raw["vocab_size"], [raw["eos_token_id"]]), seed=0)
+    init_from_target_layer(head, *target_layer_tensors(target, layers[-1]))
+    with torch.no_grad():
+        for proj in (head.midlayer.self_attn.q_proj, head.midlayer.self_attn.k_proj, head.midlayer.self_attn.v_proj):
+            proj.weight[:, :raw["hidden_size"]] = 0.0
+        hidden = head.ttt_hidden(embed, aux, ids, 1)[0]  # [1, T, H]
+    want = streams[layers[-1] + 1]
+    assert torch.allclose(hidden, want, atol=1e-4, rtol=1e-4), (hidden - want).abs().max()
 
 
 def test_draft_vocab_d2t_t2d_worked_example():

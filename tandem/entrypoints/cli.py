@@ -171,6 +171,9 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--num-prompts", type=int, default=3000)
     d.add_argument("--magpie-share", type=float, default=0.5, help="share of prompts the target writes itself")
     d.add_argument("--max-tokens", type=int, default=256, help="response tokens per prompt, at most")
+    d.add_argument("--distill-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the engine's dtype while it writes the answers (bfloat16: ~2x faster on bf16 hardware; "
+                        "greedy answers then differ from float32's at near-ties)")
     d.add_argument("--draft-vocab-size", type=int, default=16384)
     d.add_argument("--ttt-steps", type=int, default=3, help="training-time-test depth")
     d.add_argument("--epochs", type=int, default=3)
@@ -185,6 +188,9 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--max-steps", type=int, default=None,
                    help="optimizer steps at most: the schedule's length when shorter than --epochs' (reproduces a run "
                         "that --max-hours cut)")
+    d.add_argument("--init-layer", choices=("target", "random"), default="target",
+                   help="the decoder layer's starting weights: the target's last aux layer (its stream selected by fc) "
+                        "or small random ones")
     d.add_argument("--init-from", default=None,
                    help="a trained head folder to continue from (same target; its vocabulary rows are mapped)")
 
@@ -198,10 +204,12 @@ def run_train(args: argparse.Namespace) -> int:
     gsm8k = Path(args.gsm8k) if args.gsm8k else SHARED_GSM8K / "train.jsonl"
     print(run(DraftHeadArgs(
         target=Path(args.target), out=out, work=work, gsm8k=gsm8k, num_prompts=args.num_prompts,
-        magpie_share=args.magpie_share, max_tokens=args.max_tokens, draft_vocab_size=args.draft_vocab_size,
+        magpie_share=args.magpie_share, max_tokens=args.max_tokens, distill_dtype=args.distill_dtype,
+        draft_vocab_size=args.draft_vocab_size,
         ttt_steps=args.ttt_steps, epochs=args.epochs, batch_tokens=args.batch_tokens, lr=args.lr, seed=args.seed,
         threads=args.threads, max_hours=args.max_hours, bf16=args.bf16,
-        init_from=Path(args.init_from) if args.init_from else None, max_steps=args.max_steps)))
+        init_from=Path(args.init_from) if args.init_from else None, max_steps=args.max_steps,
+        init_layer=args.init_layer)))
     return 0
 
 

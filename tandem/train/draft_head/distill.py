@@ -29,6 +29,7 @@ class DistillPlan:
     magpie_share: float
     max_tokens: int
     seed: int
+    dtype: str = "float32"
 
 
 def user_turn_prefix(tokenizer: Any) -> str:
@@ -65,7 +66,8 @@ class Distiller:
         if self._llm is None:
             from tandem import LLM
 
-            self._llm = LLM(model=str(self.plan.target), dtype="float32", max_num_seqs=64,
+            # 256 rows: 1.13x 64's tokens/s in bfloat16 on a 2-core AMX machine (SmolLM2, 256 GSM8K answers)
+            self._llm = LLM(model=str(self.plan.target), dtype=self.plan.dtype, max_num_seqs=256,
                             max_num_batched_tokens=4096)
         return self._llm
 

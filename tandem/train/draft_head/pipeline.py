@@ -18,7 +18,7 @@ from tandem.train.draft_head.export import save_head
 from tandem.train.draft_head.features import FeatureStore, TargetModel, chunk_done, compute_chunk
 from tandem.train.draft_head.head import DraftHead
 from tandem.train.draft_head.loop import LoopConfig, split, train
-from tandem.train.draft_head.objective import init_head, warm_start
+from tandem.train.draft_head.objective import init_from_target_layer, init_head, warm_start
 from tandem.train.draft_head.target_config import aux_layer_ids, eagle3_config, head_shape, read_target_config
 from tandem.train.draft_head.vocab import build_vocab, coverage, heldout_coverage, response_counts
 
@@ -34,6 +34,7 @@ class DraftHeadArgs:
     num_prompts: int = 3000
     magpie_share: float = 0.5
     max_tokens: int = 256
+    distill_dtype: str = "float32"
     draft_vocab_size: int = 16384
     ttt_steps: int = 3
     epochs: int = 3
@@ -44,18 +45,21 @@ class DraftHeadArgs:
     max_hours: float = 24.0
     bf16: bool = True
     init_from: Path | None = None  # a trained head folder to continue from
+    init_layer: str = "target"  # "target": the decoder layer starts as the target's last aux layer; "random"
     max_steps: int | None = None  # optimizer steps at most (the schedule's length when shorter than the epochs')
 
     def validate(self, target_vocab_size: int) -> None:
         checks = [("num_prompts", self.num_prompts >= 1, "at least 1"),
                   ("magpie_share", 0.0 <= self.magpie_share <= 1.0, "0 to 1"),
                   ("max_tokens", self.max_tokens >= 4, "at least 4"),
+                  ("distill_dtype", self.distill_dtype in ("float32", "bfloat16"), "float32 or bfloat16"),
                   ("draft_vocab_size", 1 <= self.draft_vocab_size <= target_vocab_size,
                    f"1 to the target's vocab_size {target_vocab_size}"),
                   ("ttt_steps", 1 <= self.ttt_steps <= 8, "1 to 8"), ("epochs", self.epochs >= 1, "at least 1"),
                   ("batch_tokens", self.batch_tokens >= 16, "at least 16"), ("lr", self.lr > 0, "above 0"),
                   ("max_hours", self.max_hours > 0, "above 0"),
-                  ("max_steps", self.max_steps is None or self.max_steps >= 1, "at least 1")]
+                  ("max_steps", self.max_steps is None or self.max_steps >= 1, "at least 1"),
+                  ("init_layer", self.init_layer in ("target", "random"), "target or random")]
         if self.init_from is not None:
             checks.append(("init_from", (self.init_from / "model.safetensors").is_file()
                            and (self.init_from / "config.json").is_file(),
@@ -88,6 +92,21 @@ def target_embed_and_head(target: Path) -> tuple[torch.Tensor, torch.Tensor]:
     return embed, tensors.get("lm_head.weight", embed)
 
 
+def target_layer_tensors(target: Path, layer: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The target's decoder layer `layer` (names below `model.layers.N.`) and its final norm, float32."""
+    prefix, tensors, norm = f"model.layers.{layer}.", {}, None
+    for f in sorted(target.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            for key in fh.keys():
+                if key.startswith(prefix):
+                    tensors[key[len(prefix):]] = fh.get_tensor(key).float()
+                elif key == "model.norm.weight":
+                    norm = fh.get_tensor(key).float()
+    if norm is None:
+        raise ValueError(f"{target}: no model.norm.weight among its safetensors")
+    return tensors, norm
+
+
 def end_token_ids(target: Path, raw: dict[str, Any]) -> list[int]:
     """The eos / end-of-turn ids: config's eos_token_id(s) and the tokenizer's eos token."""
     from transformers import AutoTokenizer
@@ -111,7 +130,7 @@ def run(args: DraftHeadArgs) -> Path:
 
     t0 = time.time()
     paths = Distiller(DistillPlan(args.target, args.work, args.gsm8k, args.num_prompts, args.magpie_share,
-                                  args.max_tokens, args.seed)).run()
+                                  args.max_tokens, args.seed, args.distill_dtype)).run()
     chunks = [(p, [r for r in read_rows([p]) if len(r["ids"]) - r["response_start"] >= MIN_RESPONSE_TOKENS])
               for p in paths]
     rows = [r for _, rs in chunks for r in rs]
@@ -146,6 +165,8 @@ def run(args: DraftHeadArgs) -> Path:
     head = DraftHead(shape)
     embed, lm_head = target_embed_and_head(args.target)
     init_head(head, lm_head, vocab, args.seed)
+    if args.init_layer == "target" and args.init_from is None:  # a warm start replaces every weight anyway
+        init_from_target_layer(head, *target_layer_tensors(args.target, aux_layer_ids(raw)[-1]))
     if args.init_from is not None:
         rows = warm_start(head, vocab, args.init_from, raw["vocab_size"], aux_layer_ids(raw))
         log({"stage": "init_from", "head": str(args.init_from), "lm_head_rows_copied": rows})

@@ -1,0 +1,138 @@
+"""A native kernel of this tree against the same kernel at another commit, in one process: both sources are built
+side by side under their own op namespaces and called in alternating order, so a machine whose speed drifts between
+minutes slows both alike. The measurements behind docs/kernels.md's A/B tables.
+
+    python benchmarks/native_ab.py {attention,gemv} REV [--threads 2] [--rounds 6]
+
+attention: tandem/native/paged_attention.cpp, one line per (dtype, rows x queries x keys) case over 30 layers' caches;
+gemv: tandem/native/small_gemm.cpp's small_linear, one line per (dtype, rows, [N, K]) case over 30 distinct weights
+(SmolLM2-135M's projections). Each line: microseconds per call (the median of the rounds, each over the 30 inputs in
+turn, cold) before and after, their ratio, and whether the outputs are identical to the bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.cpp_extension import load
+
+from tandem.native import ISA_FLAGS
+
+NATIVE = Path(__file__).resolve().parent.parent / "tandem" / "native"
+LAYERS, BLOCK = 30, 16
+SOURCES = {"attention": "paged_attention.cpp", "gemv": "small_gemm.cpp"}
+HELPERS = {"attention": (), "gemv": ("elementwise.cpp",)}  # sources a kernel calls into (silu_mul)
+# (queries' dtype, cache's dtype, rows, queries a row, keys a row): SmolLM2's heads (9 query / 3 KV heads x 64)
+CASES = [(torch.bfloat16, torch.bfloat16, 32, 1, 80), (torch.bfloat16, torch.bfloat16, 32, 1, 512),
+         (torch.bfloat16, torch.bfloat16, 1, 1, 2048), (torch.bfloat16, torch.bfloat16, 32, 64, 64),
+         (torch.bfloat16, torch.bfloat16, 4, 4, 200), (torch.bfloat16, torch.float8_e4m3fn, 32, 1, 80),
+         (torch.float32, torch.float32, 32, 1, 80), (torch.float32, torch.float32, 32, 1, 512),
+         (torch.float32, torch.float32, 32, 64, 64)]
+# (dtype, rows of x, N, K): SmolLM2-135M's qkv, o, gate_up and down projections at a decode's few rows
+GEMV_CASES = [(dtype, rows, n, k) for dtype, rows in ((torch.bfloat16, 1), (torch.float32, 1), (torch.float32, 4))
+              for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536))]
+
+
+def build(name: str, source: str, folder: Path, helpers: tuple[str, ...] = ()) -> Any:
+    """The kernel's source (vec16.h beside it, and this tree's `helpers` sources it calls into) as its own
+    extension, registered under torch.ops.<name>."""
+    (folder / "vec16.h").write_text((NATIVE / "vec16.h").read_text())
+    paths = []
+    for stem, text in ((name, source), *((f"{name}_{Path(h).stem}", (NATIVE / h).read_text()) for h in helpers)):
+        paths.append(folder / f"{stem}.cpp")
+        paths[-1].write_text(text.replace("TORCH_LIBRARY(tandem_native", f"TORCH_LIBRARY_FRAGMENT({name}")
+                             .replace("TORCH_LIBRARY_FRAGMENT(tandem_native", f"TORCH_LIBRARY_FRAGMENT({name}"))
+    flags = ["-O3", "-fopenmp", *ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])]
+    load(name=name, sources=[str(p) for p in paths], extra_cflags=flags, extra_ldflags=["-lgomp"],
+         is_python_module=False)
+    return getattr(torch.ops, name)
+
+
+def inputs(dtype: torch.dtype, kv_dtype: torch.dtype, rows: int, nq: int, keys: int, hq: int = 9, hkv: int = 3,
+           d: int = 64) -> tuple:
+    """q [rows * nq, hq, d]; LAYERS caches [slots, hkv, d] behind one random block table; rows, positions, out, lse."""
+    blocks = (keys + BLOCK - 1) // BLOCK
+    slots = (rows * blocks + 1) * BLOCK
+    ks = [torch.randn(slots, hkv, d).to(kv_dtype) for _ in range(LAYERS)]
+    vs = [torch.randn(slots, hkv, d).to(kv_dtype) for _ in range(LAYERS)]
+    table = (torch.randperm(rows * blocks) + 1).int().view(rows, blocks).contiguous()
+    q = torch.randn(rows * nq, hq, d).to(dtype)
+    row_table = torch.tensor([[i, i * nq, nq, keys, 0] for i in range(rows)], dtype=torch.int32)
+    positions = torch.tensor([keys - nq + j for _ in range(rows) for j in range(nq)], dtype=torch.int64)
+    return q, ks, vs, table, row_table, positions, torch.empty_like(q), torch.empty(rows * nq, hq)
+
+
+def alternate(rounds: int, call: Callable[[str], torch.Tensor | tuple[torch.Tensor, ...]],
+              ) -> tuple[float, float, bool]:
+    """Median microseconds per call of `call(name)` (which runs LAYERS calls) before and after, rounds alternating
+    their order, and whether the last outputs are identical."""
+    times: dict[str, list[float]] = {"before": [], "after": []}
+    results = {}
+    for r in range(rounds):
+        for name in ("before", "after") if r % 2 == 0 else ("after", "before"):
+            start = time.perf_counter()
+            out = call(name)
+            times[name].append((time.perf_counter() - start) / LAYERS * 1e6)
+            results[name] = out if isinstance(out, tuple) else (out,)
+    same = all(torch.equal(a, b) for a, b in zip(results["before"], results["after"], strict=True))
+    return statistics.median(times["before"]), statistics.median(times["after"]), same
+
+
+def attention_layers(ops: dict[str, Any], args: tuple, name: str) -> tuple[torch.Tensor, ...]:
+    q, ks, vs, table, row_table, positions, out, lse = args
+    for k, v in zip(ks, vs, strict=True):
+        ops[name].paged_attention(q, k, v, table, row_table, positions, BLOCK, q.shape[-1] ** -0.5, out, lse)
+    return out.clone(), lse.clone()
+
+
+def attention(ops: dict[str, Any], rounds: int) -> None:
+    for dtype, kv_dtype, rows, nq, keys in CASES:
+        before, after, same = alternate(rounds, partial(attention_layers, ops, inputs(dtype, kv_dtype, rows, nq, keys)))
+        kv = str(kv_dtype).removeprefix("torch.")
+        print(f"{str(dtype).removeprefix('torch.')} q, {kv} cache, {rows} x {nq} x {keys}: before {before:.1f} us, "
+              f"after {after:.1f} us, after / before {after / before:.2f}, identical {same}", flush=True)
+
+
+def gemv_layers(ops: dict[str, Any], x: torch.Tensor, weights: list[torch.Tensor], name: str) -> torch.Tensor:
+    return torch.stack([ops[name].small_linear(x, w, None) for w in weights])
+
+
+def gemv(ops: dict[str, Any], rounds: int) -> None:
+    for dtype, rows, n, k in GEMV_CASES:
+        x = torch.randn(rows, k).to(dtype)
+        weights = [(torch.randn(n, k) * k ** -0.5).to(dtype) for _ in range(LAYERS)]
+        before, after, same = alternate(rounds, partial(gemv_layers, ops, x, weights))
+        print(f"{str(dtype).removeprefix('torch.')}, {rows} row(s), [{n}, {k}]: before {before:.1f} us, after "
+              f"{after:.1f} us, after / before {after / before:.2f}, identical {same}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("kernel", choices=sorted(SOURCES))
+    parser.add_argument("rev", help="the commit whose kernel source is 'before'")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=6)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    source = SOURCES[args.kernel]
+    before_src = subprocess.run(["git", "show", f"{args.rev}:tandem/native/{source}"], check=True,
+                                capture_output=True, text=True, cwd=NATIVE).stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        helpers = HELPERS[args.kernel]
+        ops = {"before": build("tandem_ab_before", before_src, Path(tmp), helpers),
+               "after": build("tandem_ab_after", (NATIVE / source).read_text(), Path(tmp), helpers)}
+    (attention if args.kernel == "attention" else gemv)(ops, args.rounds)
+
+
+if __name__ == "__main__":
+    main()

@@ -405,8 +405,9 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
         // A cache whose slots lie whole and back to back (K and V not views into a wider tensor) is converted a run
         // of consecutive slots (a cache block's) at a time: one loop over thousands of values instead of one per
         // (slot, head) of 64. Measured with the vectorized max_of 0.79-0.99x the time of a bf16 call
-        // (benchmarks/native_attention_ab.py; Xeon with AMX, 2 threads). Reading bf16 in place, widened in registers as it is scored,
-        // measured 1.06-1.6x slower than through the buffer (every block of queries widens the keys again).
+        // (benchmarks/native_ab.py attention; Xeon with AMX, 2 threads). Reading bf16 in place, widened in registers
+        // as it is scored, measured 1.06-1.6x slower than through the buffer (every block of queries widens the keys
+        // again).
         const bool k_whole = k_head == dk && k_slot == hkv * dk, v_whole = v_head == dv && v_slot == hkv * dv;
         for (int64_t s = 0; s < width;) {
           const int64_t slot = slot_of(s);

@@ -109,7 +109,8 @@ def init_from_target_layer(head: DraftHead, layer: dict[str, torch.Tensor], fina
     then computes exactly that target layer over the stream entering it, a trained starting point for what it must
     learn instead of random features (SmolLM2-135M, 1,536 prompts, 160 steps from scratch: held-out acceptance
     length 1.70 -> 1.75, step-0 cross-entropy 3.59 -> 3.04). `layer`: the target layer's tensors named as in its
-    checkpoint below `model.layers.N.` (q_proj / k_proj / v_proj / o_proj, the MLP, the two norms)."""
+    checkpoint below `model.layers.N.` (q_proj / k_proj / v_proj / o_proj, the MLP, the two norms). A Qwen3
+    layer's q_norm / k_norm have no place in the head's Llama layer: for Qwen3 a close start, not an exact one."""
     mid, h = head.midlayer, head.shape.hidden_size
     with torch.no_grad():
         for name in ("q_proj", "k_proj", "v_proj"):

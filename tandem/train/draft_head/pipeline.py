@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,31 +81,32 @@ class JsonLog:
             f.write(line + "\n")
 
 
-def target_embed_and_head(target: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's input embedding [V, H] and LM head [V, H] (the embedding when tied), float32."""
+def target_tensors(target: Path, wanted: Callable[[str], bool]) -> dict[str, torch.Tensor]:
+    """The target checkpoint's tensors whose names `wanted` accepts, float32, over every safetensors file."""
     tensors: dict[str, torch.Tensor] = {}
     for f in sorted(target.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as fh:
-            for key in ("model.embed_tokens.weight", "lm_head.weight"):
-                if key in fh.keys():
+            for key in fh.keys():
+                if wanted(key):
                     tensors[key] = fh.get_tensor(key).float()
+    return tensors
+
+
+def target_embed_and_head(target: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's input embedding [V, H] and LM head [V, H] (the embedding when tied), float32."""
+    tensors = target_tensors(target, lambda key: key in ("model.embed_tokens.weight", "lm_head.weight"))
     embed = tensors["model.embed_tokens.weight"]
     return embed, tensors.get("lm_head.weight", embed)
 
 
 def target_layer_tensors(target: Path, layer: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """The target's decoder layer `layer` (names below `model.layers.N.`) and its final norm, float32."""
-    prefix, tensors, norm = f"model.layers.{layer}.", {}, None
-    for f in sorted(target.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as fh:
-            for key in fh.keys():
-                if key.startswith(prefix):
-                    tensors[key[len(prefix):]] = fh.get_tensor(key).float()
-                elif key == "model.norm.weight":
-                    norm = fh.get_tensor(key).float()
-    if norm is None:
+    prefix = f"model.layers.{layer}."
+    tensors = target_tensors(target, lambda key: key.startswith(prefix) or key == "model.norm.weight")
+    if "model.norm.weight" not in tensors:
         raise ValueError(f"{target}: no model.norm.weight among its safetensors")
-    return tensors, norm
+    norm = tensors.pop("model.norm.weight")
+    return {key[len(prefix):]: t for key, t in tensors.items()}, norm
 
 
 def end_token_ids(target: Path, raw: dict[str, Any]) -> list[int]:

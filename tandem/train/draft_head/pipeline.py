@@ -103,8 +103,11 @@ def target_layer_tensors(target: Path, layer: int) -> tuple[dict[str, torch.Tens
     """The target's decoder layer `layer` (names below `model.layers.N.`) and its final norm, float32."""
     prefix = f"model.layers.{layer}."
     tensors = target_tensors(target, lambda key: key.startswith(prefix) or key == "model.norm.weight")
-    if "model.norm.weight" not in tensors:
-        raise ValueError(f"{target}: no model.norm.weight among its safetensors")
+    missing = [name for name in ("model.norm.weight", f"{prefix}self_attn.q_proj.weight", f"{prefix}mlp.up_proj.weight")
+               if name not in tensors]
+    if missing:
+        raise ValueError(f"{target}: --init-layer target needs {', '.join(missing)}, not among its safetensors "
+                         "(--init-layer random starts without them)")
     norm = tensors.pop("model.norm.weight")
     return {key[len(prefix):]: t for key, t in tensors.items()}, norm
 

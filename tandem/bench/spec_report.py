@@ -19,13 +19,16 @@ def _common(r: dict[str, Any]) -> list[str]:
     """batch, K, tok/s, speed-up, acceptance length and rate, outputs equal to no-spec's."""
     return [str(r["batch_size"]), "none" if r["k"] is None else str(r["k"]), _num(r, "output_tokens_per_s", ".1f"),
             f"{r['speedup']:.2f}x", _num(r, "mean_acceptance_length", ".2f"), _num(r, "acceptance_rate", ".2f"),
-            "-" if r["k"] is None else f"{r['num_equal_no_spec']}/{r['batch_size']}"]
+            "-" if r["k"] is None else f"{r['num_equal_no_spec']}/{r.get('num_outputs', r['batch_size'])}"]
 
 
 def report(result: dict[str, Any]) -> str:
     head = "| batch | K | output tok/s | speed-up | acc. length | acc. rate | = no-spec |"
     rows, info = result["results"], result["machine"]
-    lines = [describe(info), head + " draft share | 1 pass / target step | K per decode step |", "|---" * 10 + "|"]
+    waves = result["config"].get("waves", 1)
+    lines = [describe(info)] + ([f"each timed run: {waves} generate calls of `batch` prompts, on distinct prompts"]
+                                if waves > 1 else [])
+    lines += [head + " draft share | 1 pass / target step | K per decode step |", "|---" * 10 + "|"]
     for r in (r for r in rows if r["engine"] == "tandem"):
         br = r["step_breakdown"] or {}
         hist = ", ".join(f"{k}: {n}" for k, n in br["k_histogram"].items()) if r["k"] == "auto" and br else "-"
@@ -46,7 +49,8 @@ def report(result: dict[str, Any]) -> str:
     for r in rows:
         if not r["tokens_equal_no_spec"] and r["k"] is not None:
             lines.append(f"!!! MISMATCH: {r['engine']} K={r['k']} batch {r['batch_size']}: only "
-                         f"{r['num_equal_no_spec']}/{r['batch_size']} outputs equal its no-spec outputs; greedy "
+                         f"{r['num_equal_no_spec']}/{r.get('num_outputs', r['batch_size'])} outputs equal its no-spec "
+                         "outputs; greedy "
                          "speculative decoding must be lossless")
     lines.append(f"1-min load: {info['load_avg_1m_at_start']:.2f} at start, "
                  f"{info['load_avg_1m_at_end']:.2f} at the end (this run alone accounts for about "

@@ -146,7 +146,10 @@ def _bench_spec_parser(kind: argparse._SubParsersAction) -> None:
                    help="the Ks to run, each beside no drafter: positive integers and/or 'auto' (up to the config's "
                         "max_num_speculative_tokens, else the largest integer K)")
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 32], metavar="B",
-                   help="each runs the first B prompts (cycled) as one generate call")
+                   help="each runs the first B prompts (cycled) as one generate call (--waves: several)")
+    p.add_argument("--waves", type=int, default=1,
+                   help="generate calls of B prompts per timed run, each on the next B prompts: --batch-sizes 1 "
+                        "--waves 16 times batch 1 over 16 prompts instead of the first alone")
     p.add_argument("--prompts", choices=["gsm8k", "everyday"], default="gsm8k",
                    help="GSM8K test questions, or the held-out everyday instructions (tandem/data/everyday.py); as a "
                         "user turn through the model's chat template, plain text without one")
@@ -171,6 +174,11 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--num-prompts", type=int, default=3000)
     d.add_argument("--magpie-share", type=float, default=0.5, help="share of prompts the target writes itself")
     d.add_argument("--max-tokens", type=int, default=256, help="response tokens per prompt, at most")
+    d.add_argument("--prompt-offset", type=int, default=0,
+                   help="start at this GSM8K question of the seed's order and this Magpie seed offset (a later stage "
+                        "with the same seed then writes new prompts)")
+    d.add_argument("--exclude-data", nargs="+", default=[], metavar="WORK",
+                   help="earlier runs' work folders: GSM8K questions answered in their data/ are skipped")
     d.add_argument("--distill-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="the engine's dtype while it writes the answers (bfloat16: ~2x faster on bf16 hardware; "
                         "greedy answers then differ from float32's at near-ties)")
@@ -209,14 +217,15 @@ def run_train(args: argparse.Namespace) -> int:
         ttt_steps=args.ttt_steps, epochs=args.epochs, batch_tokens=args.batch_tokens, lr=args.lr, seed=args.seed,
         threads=args.threads, max_hours=args.max_hours, bf16=args.bf16,
         init_from=Path(args.init_from) if args.init_from else None, max_steps=args.max_steps,
-        init_layer=args.init_layer)))
+        init_layer=args.init_layer, prompt_offset=args.prompt_offset,
+        exclude_data=tuple(Path(w) for w in args.exclude_data))))
     return 0
 
 
 def run_bench(args: argparse.Namespace) -> int:
     positive = {"serve": ("num_prompts", "max_tokens", "hf_startup_timeout", "input_len"),
                 "offline": ("num_prompts", "max_tokens", "repeats", "input_len", "hf_batch_size"),
-                "spec": ("num_prompts", "max_tokens", "repeats"),
+                "spec": ("num_prompts", "max_tokens", "repeats", "waves"),
                 "prefill": ("repeats", "threads_per_rank"),
                 "decode": ("max_tokens", "repeats", "threads_per_rank"),
                 "profile": ("max_tokens",),
@@ -276,8 +285,8 @@ def _bench_spec(args: argparse.Namespace) -> int:
     if min(args.batch_sizes) < 1:
         raise ValueError(f"--batch-sizes {args.batch_sizes} is not allowed: integers of at least 1")
     bench = spec.SpecBench(args.speculative_config, spec.parse_ks(args.k), args.batch_sizes, args.prompts,
-                           args.num_prompts or max(args.batch_sizes), args.max_tokens, args.repeats, args.vs,
-                           args.vllm_eager)
+                           args.num_prompts or max(args.batch_sizes) * args.waves, args.max_tokens, args.repeats,
+                           args.vs, args.vllm_eager, args.waves)
     result = spec.run_spec(EngineArgs.from_cli_args(args), bench)
     bench_cli.emit(spec_report.report(result), lambda: offline.results_json(result), args)
     return 0

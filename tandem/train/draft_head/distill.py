@@ -18,6 +18,10 @@ SENTINEL = "\x00TANDEM-USER-REQUEST\x00"
 CHUNK_PROMPTS = 256
 MAGPIE_MAX_TOKENS = 64
 MAGPIE_OVERSAMPLE = 1.4  # some sampled requests are empty or truncated
+# sampling seeds a Magpie chunk may use per prompt slot: chunk c draws seeds from STRIDE * c on, so chunks (and runs
+# with another --prompt-offset) never share a seed, which would write the same request twice
+MAGPIE_SEED_STRIDE = 2
+assert int(CHUNK_PROMPTS * MAGPIE_OVERSAMPLE) + 1 <= MAGPIE_SEED_STRIDE * CHUNK_PROMPTS
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,8 @@ class DistillPlan:
     max_tokens: int
     seed: int
     dtype: str = "float32"
+    prompt_offset: int = 0  # where in the seed's GSM8K order, and in its Magpie seeds, this run starts
+    exclude: tuple[Path, ...] = ()  # earlier work folders: GSM8K questions answered in their data/ are skipped
 
 
 def user_turn_prefix(tokenizer: Any) -> str:
@@ -75,12 +81,18 @@ class Distiller:
         num_magpie = round(self.plan.num_prompts * self.plan.magpie_share)
         questions = [p.question for p in load_jsonl(self.plan.gsm8k_path)]
         random.Random(self.plan.seed).shuffle(questions)
+        questions = questions[self.plan.prompt_offset:]
+        if self.plan.exclude:
+            # a later stage learns most from questions no earlier stage answered (distinct answers, not repeats)
+            seen = self._answered_prompts(self.plan.exclude)
+            questions = [q for q in questions if tuple(chat_ids(self.tokenizer, q)) not in seen]
         gsm8k = questions[:self.plan.num_prompts - num_magpie]
         jobs = [(f"gsm8k_{c // CHUNK_PROMPTS:05d}", lambda c=c: gsm8k[c:c + CHUNK_PROMPTS])
                 for c in range(0, len(gsm8k), CHUNK_PROMPTS)]
         magpie = [(f"magpie_{c // CHUNK_PROMPTS:05d}",
-                   lambda c=c: self._magpie_requests(self.plan.seed * 1_000_003 + c,
-                                                     min(CHUNK_PROMPTS, num_magpie - c)))
+                   lambda c=c: self._magpie_requests(
+                       self.plan.seed * 1_000_003 + MAGPIE_SEED_STRIDE * (self.plan.prompt_offset + c),
+                       min(CHUNK_PROMPTS, num_magpie - c)))
                   for c in range(0, num_magpie, CHUNK_PROMPTS)]
         # generated alternately, so a run stopped part-way leaves both kinds in proportion; listed by kind
         for i in range(max(len(jobs), len(magpie))):
@@ -91,6 +103,18 @@ class Distiller:
             self._llm.shutdown()
             self._llm = None
         return paths
+
+    @staticmethod
+    def _answered_prompts(work_dirs: tuple[Path, ...]) -> set[tuple[int, ...]]:
+        """The prompt token ids of every GSM8K row in the work folders' data/ chunks."""
+        seen: set[tuple[int, ...]] = set()
+        for work in work_dirs:
+            if not (work / "data").is_dir():
+                raise ValueError(f"--exclude-data {work}: no data/ folder there (a `tandem train draft-head` work "
+                                 "folder holds one)")
+            for row in read_rows(sorted((work / "data").glob("gsm8k_*.jsonl"))):
+                seen.add(tuple(row["ids"][:row["response_start"]]))
+        return seen
 
     def _chunk(self, name: str, requests: Any) -> Path:
         path = self.data_dir / f"{name}.jsonl"

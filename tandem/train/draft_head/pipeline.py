@@ -48,6 +48,8 @@ class DraftHeadArgs:
     init_from: Path | None = None  # a trained head folder to continue from
     init_layer: str = "target"  # "target": the decoder layer starts as the target's last aux layer; "random"
     max_steps: int | None = None  # optimizer steps at most (the schedule's length when shorter than the epochs')
+    prompt_offset: int = 0  # the first GSM8K question (in the seed's order) and Magpie seed offset this run uses
+    exclude_data: tuple[Path, ...] = ()  # earlier work folders whose answered GSM8K questions are skipped
 
     def validate(self, target_vocab_size: int) -> None:
         checks = [("num_prompts", self.num_prompts >= 1, "at least 1"),
@@ -60,6 +62,7 @@ class DraftHeadArgs:
                   ("batch_tokens", self.batch_tokens >= 16, "at least 16"), ("lr", self.lr > 0, "above 0"),
                   ("max_hours", self.max_hours > 0, "above 0"),
                   ("max_steps", self.max_steps is None or self.max_steps >= 1, "at least 1"),
+                  ("prompt_offset", self.prompt_offset >= 0, "0 or more"),
                   ("init_layer", self.init_layer in ("target", "random"), "target or random")]
         if self.init_from is not None:
             checks.append(("init_from", (self.init_from / "model.safetensors").is_file()
@@ -135,7 +138,8 @@ def run(args: DraftHeadArgs) -> Path:
 
     t0 = time.time()
     paths = Distiller(DistillPlan(args.target, args.work, args.gsm8k, args.num_prompts, args.magpie_share,
-                                  args.max_tokens, args.seed, args.distill_dtype)).run()
+                                  args.max_tokens, args.seed, args.distill_dtype, args.prompt_offset,
+                                  args.exclude_data)).run()
     chunks = [(p, [r for r in read_rows([p]) if len(r["ids"]) - r["response_start"] >= MIN_RESPONSE_TOKENS])
               for p in paths]
     rows = [r for _, rs in chunks for r in rs]

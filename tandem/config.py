@@ -139,8 +139,10 @@ class ParallelConfig:
     enable_expert_parallel: bool = False
     decode_context_parallel_size: int = 1  # accepted as a name only: DCP is outside tandem's contract
     # where each token's K/V lives under PCP: "replicated" (every rank holds the whole context) or "sharded"
-    # (on the rank that owns its KV block, attention/kv_ownership.py: context capacity grows with the PCP size)
-    pcp_kv_layout: str = "replicated"
+    # (on the rank that owns its KV block, attention/kv_ownership.py: context capacity grows with the PCP size);
+    # "auto" (the default) is sharded when the target's attention backend attends over sharded KV, else replicated
+    # (docs/pcp.md: sharded was faster at every measured point and serves P x the context). validate() resolves it.
+    pcp_kv_layout: str = "auto"
 
     @property
     def world_size(self) -> int:
@@ -180,6 +182,9 @@ class SpeculativeConfig:
     adaptive_verification: bool = False  # accepted as a name only, and rejected: not implemented
     # the largest K any step may use: given with "auto", derived from K or the schedule otherwise
     max_num_speculative_tokens: int | None = None
+    # an EAGLE-3 head's compute (and KV) dtype: "auto" = the target's; "bfloat16" under a float32 target reads half
+    # a draft pass's bytes. A drafter's arithmetic only moves acceptance: verification stays exact either way
+    draft_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_num_speculative_tokens is None:
@@ -223,6 +228,10 @@ class SpeculativeConfig:
     def keeps_token_history(self) -> bool:
         """The drafter reads each request's whole token history (n-gram), so admissions send it once."""
         return self.method == "ngram"
+
+    def drafter_dtype(self, target_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the drafter computes in (draft_dtype "auto": the target's)."""
+        return target_dtype if self.draft_dtype == "auto" else getattr(torch, self.draft_dtype)
 
     def num_tokens_for_batch(self, num_running: int) -> int:
         """K for a step with `num_running` running requests (a fixed K or the schedule; not "auto")."""
@@ -268,6 +277,11 @@ class SpeculativeConfig:
         self._validate_k()
         if self.draft_sample_method not in ("greedy", "probabilistic"):
             _fail("speculative_config.draft_sample_method", self.draft_sample_method, "greedy or probabilistic")
+        if self.draft_dtype not in DRAFT_DTYPES:
+            _fail("speculative_config.draft_dtype", self.draft_dtype, f"one of {', '.join(DRAFT_DTYPES)}")
+        if self.draft_dtype != "auto" and self.method != "eagle3":
+            _fail("speculative_config.draft_dtype", self.draft_dtype, f"'auto' with method {self.method!r} (its "
+                  "drafter computes in the target's dtype); another dtype only with method 'eagle3'")
         if self.method == "mtp" and not model.get("num_nextn_predict_layers"):
             _fail("speculative_config.method", "mtp", f"a checkpoint with MTP layers; {model.model} has "
                   "num_nextn_predict_layers = 0")
@@ -291,7 +305,8 @@ class AttentionConfig:
     backend_per_kind: dict[str, str] = field(default_factory=dict)
 
 
-PCP_KV_LAYOUTS = ("replicated", "sharded")
+PCP_KV_LAYOUTS = ("auto", "replicated", "sharded")
+DRAFT_DTYPES = ("auto", "float32", "bfloat16")
 
 # vLLM's default capture sizes, cut at 512 (tandem's steps are at most max_num_batched_tokens anyway).
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -414,7 +429,20 @@ class EngineConfig:
         sizes = self.compilation_config.cudagraph_capture_sizes
         if any(not isinstance(n, int) or n < 1 for n in sizes) or len(set(sizes)) != len(sizes):
             _fail("compilation_config.cudagraph_capture_sizes", list(sizes), "distinct positive integers")
-        return self
+        return self._resolve_pcp_kv_layout()
+
+    def _resolve_pcp_kv_layout(self) -> EngineConfig:
+        """pcp_kv_layout "auto" made concrete, so every rank and the scheduler read one layout."""
+        p = self.parallel_config
+        if p.pcp_kv_layout != "auto":
+            return self
+        layout = "replicated"  # PCP size 1: one rank owns every block, the layouts coincide
+        if p.prefill_context_parallel_size > 1:
+            from tandem.attention.backend import select_target_backends  # attention reads this module
+
+            if all(cls.supports_kv_sharding() for cls in select_target_backends(self).values()):
+                layout = "sharded"
+        return replace(self, parallel_config=replace(p, pcp_kv_layout=layout))
 
     def _reject_unsupported(self) -> None:
         p, pcp = self.parallel_config, self.parallel_config.prefill_context_parallel_size

@@ -1,6 +1,7 @@
 """`tandem bench prefill` end to end on a tiny random Llama: a row per (prompt length, PCP size) whose first tokens
-agree across PCP sizes, the K/V bytes gathered from the partition math, HF's forward beside them (`--vs hf`) with
-the same first token; the DeepSeek-V3-shaped random checkpoint builds and loads; bad flags exit 2 naming the flag."""
+agree across PCP sizes, the K/V bytes gathered from the partition math (the replicated KV layout), HF's forward
+beside them (`--vs hf`) with the same first token; the DeepSeek-V3-shaped random checkpoint builds and loads; bad
+flags exit 2 naming the flag."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ def test_rows_per_length_and_pcp_size_with_equal_first_tokens_and_hf_beside(tiny
     model = tiny_checkpoints("llama")
     out = tmp_path / "prefill.json"
     rc = cli.main(["bench", "prefill", str(model), "--dtype", "float32", "--input-len", "128", "64",
-                   "--pcp-sizes", "2", "1", "--repeats", "1", "--vs", "hf", "--output-json", str(out)])
+                   "--pcp-sizes", "2", "1", "--repeats", "1", "--vs", "hf", "--pcp-kv-layout", "replicated",
+                   "--output-json", str(out)])
     printed = capsys.readouterr().out
     assert rc == 0, printed
     rows = json.loads(out.read_text())["results"]
@@ -32,12 +34,12 @@ def test_rows_per_length_and_pcp_size_with_equal_first_tokens_and_hf_beside(tiny
             # one step; each rank holds two DualChunkSwap chunks of L / 4 tokens
             expected = 2 * (r["input_len"] // 2) * kv_bytes_per_token(config, 4)
             assert r["gather"]["kv_per_layer"] == expected, (r["gather"], expected)
-            assert len(r["rank_cpu_s"]) == 2 and len(r["peak_rss_mib"]) == 2, r
+            assert len(r["rank_cpu_s"]) == 2 and len(r["peak_rss_mib"]) == 2 and r["kv_layout"] == "replicated", r
         else:
             assert r["gather"] is None, r
         if r["system"] == "tandem":
             assert r["vs_hf"] > 0, r
-    assert "| 128 | tandem | 2 |" in printed and "DIFFERS" not in printed, printed
+    assert "| 128 | tandem | 2 replicated |" in printed and "DIFFERS" not in printed, printed
 
 
 def test_first_token_mismatch_is_reported():

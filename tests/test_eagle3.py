@@ -151,6 +151,18 @@ def test_greedy_eagle3_equals_non_speculative_across_engine_modes(pair, options)
     assert outs == _baseline(target)
 
 
+@pytest.mark.parametrize("options", [{}, {"compilation_config": {
+    "mode": "VLLM_COMPILE", "cudagraph_mode": "PIECEWISE", "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]}}],
+    ids=["eager", "compiled-piecewise"])
+def test_bfloat16_head_under_a_float32_target_stays_exact(pair, options):
+    """draft_dtype "bfloat16": the head computes and caches in bf16 under a float32 target; greedy output is still
+    exactly non-speculative greedy, and its drafts are still accepted."""
+    target, head = pair("llama")
+    llm, outs = _generate(target, _prompts(), speculative_config=_eagle3(head, 3, draft_dtype="bfloat16"), **options)
+    assert outs == _baseline(target)
+    assert _metrics(llm)["tandem:spec_decode_num_accepted_tokens"] > 0
+
+
 def test_prefix_cache_hits_keep_greedy_exact(pair):
     """A cached block's head KV was computed from the token after the block: hits must not change drafts' context."""
     target, head = pair("qwen3")
@@ -220,6 +232,17 @@ def test_d2t_outside_the_target_vocabulary_is_named(tiny_checkpoints, tmp_path):
     save_file(tensors, str(head / "model.safetensors"))
     with pytest.raises(WeightLoadError, match="d2t maps draft id 2 to target id 602, outside"):
         LLM(str(target), **ENGINE, speculative_config=_eagle3(head, 2))
+
+
+def test_draft_dtype_is_checked(pair, tiny_checkpoints):
+    target, head = pair("llama")
+    with pytest.raises(ConfigError, match="speculative_config.draft_dtype='float16' is not allowed: one of auto, "
+                                          "float32, bfloat16"):
+        LLM(str(target), **ENGINE, speculative_config=_eagle3(head, 2, draft_dtype="float16"))
+    with pytest.raises(ConfigError, match="speculative_config.draft_dtype='bfloat16' is not allowed: 'auto' with "
+                                          "method 'ngram'"):
+        LLM(str(target), **ENGINE, speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                       "draft_dtype": "bfloat16"})
 
 
 def test_eagle3_needs_a_head_folder_and_a_supported_target(tiny_checkpoints, tmp_path):

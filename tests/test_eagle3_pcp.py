@@ -61,8 +61,7 @@ def test_pcp_eagle3_matches_single_rank(pair, pcp, tp, mode, kv, graph, sampling
     spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "draft_sample_method": sampling,
             "attention_backend": DRAFT_BACKEND[mode]}
     extra = {"compilation_config": PIECEWISE} if graph == "piecewise" else {}
-    if kv == "sharded":
-        extra["pcp_kv_layout"] = "sharded"
+    extra["pcp_kv_layout"] = kv
     tokens, draft_mode, metrics = _run(target, sampling, prefill_context_parallel_size=pcp, tensor_parallel_size=tp,
                                        speculative_config=spec, **extra)
     if pcp > 1:
@@ -74,3 +73,16 @@ def test_pcp_eagle3_matches_single_rank(pair, pcp, tp, mode, kv, graph, sampling
         == (drafted, accepted), "acceptance differs from one rank"
     if sampling == "greedy":
         assert tokens == _single(target, sampling, None)[0], "speculative greedy differs from plain greedy"
+
+
+@pytest.mark.parametrize("mode", ["sharded", "replicated"])
+def test_bfloat16_head_under_pcp_equals_non_speculative(pair, mode):
+    """draft_dtype "bfloat16" under a float32 target, PCP 2 with sharded KV (the default layout): the head's bf16
+    states, K/V and drafts cross the ranks in both draft modes; greedy output stays non-speculative greedy."""
+    target, head = pair
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "draft_dtype": "bfloat16",
+            "attention_backend": DRAFT_BACKEND[mode]}
+    tokens, draft_mode, metrics = _run(target, "greedy", prefill_context_parallel_size=2, speculative_config=spec)
+    assert draft_mode == mode
+    assert tokens == _single(target, "greedy", None)[0], f"{mode}: bf16 head's greedy output differs"
+    assert metrics["tandem:spec_decode_num_accepted_tokens"] > 0

@@ -20,8 +20,8 @@ PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 DRAFT_BACKEND = {"deepseek_v3": {"sharded": "PAGED_MLA", "replicated": "CONTIGUOUS_MLA"},
                  "glm4_moe": {"sharded": "PAGED_SDPA", "replicated": "CONTIGUOUS_SDPA"}}
 LAYOUTS = {
-    "pcp2": {"prefill_context_parallel_size": 2},
-    "pcp4": {"prefill_context_parallel_size": 4},
+    "pcp2": {"prefill_context_parallel_size": 2, "pcp_kv_layout": "replicated"},
+    "pcp4": {"prefill_context_parallel_size": 4, "pcp_kv_layout": "replicated"},
     "pcp2-sharded": {"prefill_context_parallel_size": 2, "pcp_kv_layout": "sharded"},
     "pcp4-sharded": {"prefill_context_parallel_size": 4, "pcp_kv_layout": "sharded"},
     "tp2": {"tensor_parallel_size": 2},
@@ -114,6 +114,7 @@ def test_pcp_gather_moves_the_stored_bytes(tiny_checkpoints, arch):
     """Replicated PCP 2 gathers every prefill token's new K/V: in fp8 one byte a value, a quarter of float32's
     (the gathered hidden states and logits rows are the same in both, so the total drops by less than 4x)."""
     path = str(tiny_checkpoints(arch))
-    gathered = {kv: _run(path, kv_cache_dtype=kv, prefill_context_parallel_size=2)[1]["tandem:pcp_gathered_bytes"]
+    gathered = {kv: _run(path, kv_cache_dtype=kv, prefill_context_parallel_size=2, pcp_kv_layout="replicated")[1][
+                    "tandem:pcp_gathered_bytes"]
                 for kv in ("auto", "bfloat16", "fp8")}
     assert gathered["fp8"] < gathered["bfloat16"] < gathered["auto"], gathered

@@ -61,6 +61,7 @@ class PrefillRun:
     rank_cpu_s: list[float]  # CPU seconds of each rank in the best repeat (contention-robust at 1 thread/rank)
     peak_rss_mib: list[float]  # each rank's process high-water mark so far
     first_token: int
+    kv_layout: str = "replicated"  # the PCP KV layout the engine resolved (pcp_kv_layout "auto" made concrete)
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,7 @@ def time_tandem(engine_args: EngineArgs, prompts: list[list[int]], pcp_size: int
     params = SamplingParams(temperature=0, max_tokens=1)
     runs = []
     llm = LLM(**vars(args))
+    layout = llm.engine.config.parallel_config.pcp_kv_layout
     try:
         llm.generate([{"prompt_token_ids": prompts[0][:WARMUP_LEN]}], params, use_tqdm=False)  # lazy init
         pids = rank_pids(llm)
@@ -114,8 +116,9 @@ def time_tandem(engine_args: EngineArgs, prompts: list[list[int]], pcp_size: int
                                    f"{tokens}")
             best = walls.index(min(walls))
             runs.append(PrefillRun("tandem", len(ids), pcp_size, walls[best], walls, cpus[best],
-                                   [peak_rss_mib(pid) for pid in pids], tokens[0]))
-            print(f"  {len(ids)} tokens, PCP={pcp_size}: " + ", ".join(f"{w:.2f}" for w in walls) + " s", flush=True)
+                                   [peak_rss_mib(pid) for pid in pids], tokens[0], layout))
+            print(f"  {len(ids)} tokens, PCP={pcp_size} ({layout} KV): " + ", ".join(f"{w:.2f}" for w in walls)
+                  + " s", flush=True)
     finally:
         llm.shutdown()
         torch.set_num_threads(threads)
@@ -203,7 +206,7 @@ def _row(run: PrefillRun, runs: list[PrefillRun], config: dict[str, Any], budget
     row: dict[str, Any] = asdict(run) | {
         "gemm_fraction": prefill_flops(config, run.input_len) / (run.wall_s * threads) / gemm,
         "gather": asdict(gather_bytes(config, run.input_len, budget, run.pcp_size, elem))
-        if run.system == "tandem" and run.pcp_size > 1 else None}
+        if run.system == "tandem" and run.pcp_size > 1 and run.kv_layout == "replicated" else None}
     if base is not None:
         speedup = base.wall_s / run.wall_s
         row |= {"speedup": speedup, "efficiency": speedup / run.pcp_size,
@@ -228,7 +231,8 @@ def report(result: dict[str, Any]) -> str:
     for r in result["results"]:
         gathered = r["gather"]["kv_per_layer"] if r["gather"] else ""
         same = {True: "=", False: "DIFFERS", None: ""}[r.get("same_first_token")]
-        lines.append(f"| {r['input_len']} | {r['system']} | {r['pcp_size']} | {r['wall_s']:.2f} | "
+        pcp = f"{r['pcp_size']} {r['kv_layout']}" if r["system"] == "tandem" and r["pcp_size"] > 1 else r["pcp_size"]
+        lines.append(f"| {r['input_len']} | {r['system']} | {pcp} | {r['wall_s']:.2f} | "
                      f"{_fmt(r.get('speedup'), '{:.2f}x')} | {_fmt(r.get('efficiency'), '{:.2f}')} | "
                      f"{_fmt(max(r['rank_cpu_s'], default=None), '{:.2f}')} | "
                      f"{_fmt(r.get('cpu_speedup'), '{:.2f}x')} | {r['gemm_fraction']:.0%} | {gathered} | "
@@ -239,7 +243,7 @@ def report(result: dict[str, Any]) -> str:
                  "CPU s: the busiest rank's CPU seconds in the best run (load from other processes barely moves it); "
                  "of GEMM rate: necessary FLOPs / (TTFT x threads) / the one-thread fp32 GEMM rate; "
                  "first token '=': the same as PCP=1's")
-    lines.append("bytes all-gathered, " + result["gather_formula"])
+    lines.append("bytes all-gathered (replicated KV), " + result["gather_formula"])
     lines.append(load_line(result["machine"]))
     return "\n".join(lines)
 

@@ -124,11 +124,12 @@ class Eagle3Config:
         return Eagle3Config(self.folder, self.raw, self.hidden_size, self.vocab_size, self.draft_vocab_size,
                             self.target_hidden_size, tuple(ids), self.norm_before_residual)
 
-    def model_config(self, target: ModelConfig, max_model_len: int) -> ModelConfig:
-        """The head's layer as a ModelConfig (GQAAttention and GatedMLP read their sizes from one)."""
+    def model_config(self, target: ModelConfig, max_model_len: int, dtype: torch.dtype | None = None) -> ModelConfig:
+        """The head's layer as a ModelConfig (GQAAttention and GatedMLP read their sizes from one), computing in
+        `dtype` (default: the target's)."""
         hf = SimpleNamespace(**{"rms_norm_eps": target.get("rms_norm_eps", 1e-6),
                                 "num_key_value_heads": self.raw["num_attention_heads"]} | self.raw)
-        return ModelConfig(self.folder, hf, self.raw["architectures"][0], target.dtype, max_model_len)
+        return ModelConfig(self.folder, hf, self.raw["architectures"][0], dtype or target.dtype, max_model_len)
 
 
 class Eagle3DecoderLayer(nn.Module):
@@ -190,8 +191,9 @@ class Eagle3Head(nn.Module):
                 spec_step_idx: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids, positions: [T]; hidden: [T, n_aux * H_t] the target's aux states at step 0, else [T, H] the
         previous pass's feedback -> (hidden for logits [T, H] after norm, feedback [T, H] before it)."""
-        g = self.fc(hidden) if spec_step_idx == 0 else hidden  # [T, H]
-        prenorm = self.midlayer(positions, self.embed_tokens(input_ids), g)
+        dtype = self.fc.weight.dtype  # the head's own, which may be narrower than the target's (draft_dtype)
+        g = self.fc(hidden.to(dtype)) if spec_step_idx == 0 else hidden  # [T, H]
+        prenorm = self.midlayer(positions, self.embed_tokens(input_ids).to(dtype), g)
         return self.norm(prenorm), prenorm
 
     def compute_logits(self, hidden: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
@@ -228,19 +230,22 @@ def draft_to_target_ids(d2t: torch.Tensor, cfg: Eagle3Config) -> torch.Tensor:
 
 
 def load_eagle3_head(folder: str, target: ModelConfig, target_embed: VocabParallelEmbedding,
-                     device: str) -> Eagle3Head:
-    """The head in `folder`, checked against its target and loaded strictly, computed in the target's dtype."""
+                     device: str, dtype: torch.dtype | None = None) -> Eagle3Head:
+    """The head in `folder`, checked against its target and loaded strictly, computed in `dtype` (default: the
+    target's; speculative_config.draft_dtype)."""
+    dtype = dtype or target.dtype
     cfg = Eagle3Config.from_folder(folder).check_target(target)
     own_embedding = any(n.removeprefix("model.") == "embed_tokens.weight" for n, _ in read_checkpoint(folder))
     if not own_embedding and cfg.hidden_size != target.get("hidden_size"):
         raise ConfigError(f"{cfg.where}: hidden_size={cfg.hidden_size} needs the head's own embed_tokens (the "
                           f"target's embedding is {target.get('hidden_size')} wide)")
     previous = torch.get_default_dtype()
-    torch.set_default_dtype(target.dtype)
+    torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
             # draft decodes run up to K positions past the last target position, itself < max_model_len
-            head = Eagle3Head(cfg, cfg.model_config(target, target.max_model_len + 16), target_embed, own_embedding)
+            head = Eagle3Head(cfg, cfg.model_config(target, target.max_model_len + 16, dtype), target_embed,
+                              own_embedding)
     finally:
         torch.set_default_dtype(previous)
     vocab_map: dict[str, torch.Tensor] = {}  # d2t (t2d, its inverse as a mask, is not needed)

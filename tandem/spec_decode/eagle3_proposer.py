@@ -30,10 +30,12 @@ class Eagle3Proposer(MTPProposer):
     def __init__(self, head: Eagle3Head, target: nn.Module, backends: dict[str, type[AttentionBackend]],
                  block_size: int, max_model_len: int, probabilistic: bool, sharded: bool,
                  target_backends: dict[str, type[AttentionBackend]],
-                 padded_size: Callable[[int], int] = lambda n: n, defers: bool = False):
+                 padded_size: Callable[[int], int] = lambda n: n, defers: bool = False,
+                 kv_dtype: torch.dtype | None = None):
         super().__init__(head, backends, block_size, max_model_len, probabilistic, sharded, target_backends,  # type: ignore[arg-type]
                          padded_size, defers)
         self.head = head
+        self.kv_dtype = kv_dtype  # the head's cache dtype when it differs from the target's (draft_dtype)
         assert head.cfg.aux_layer_ids is not None
         self.layer_ids = head.cfg.aux_layer_ids
         # the stream entering layer i is the output of layer i - 1 (of the embedding for i = 0)
@@ -43,11 +45,11 @@ class Eagle3Proposer(MTPProposer):
         self._global: torch.Tensor | None = None  # [T(+padding), n_aux * H_t] the same in global order
 
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        return bytes_per_block(self.head, self.backends, block_size, dtype)
+        return bytes_per_block(self.head, self.backends, block_size, self.kv_dtype or dtype)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: str) -> None:
         """The head's cache over the same block pool as the target: a token's slot is the target's."""
-        allocate_kv_caches(self.head, self.backends, num_blocks, block_size, dtype, device)
+        allocate_kv_caches(self.head, self.backends, num_blocks, block_size, self.kv_dtype or dtype, device)
 
     def kv_layers(self) -> list[nn.Module]:
         return list(attention_modules(self.head))

@@ -35,7 +35,8 @@ def build_proposer(config: EngineConfig, target: nn.Module, draft_mode: DraftMod
                                                config.parallel_config.prefill_context_parallel_size))
     if spec.method == "eagle3":
         assert draft_mode.backend is not None and spec.model is not None
-        head = load_eagle3_head(spec.model, model, target.model.embed_tokens, config.device)
+        head_dtype = spec.drafter_dtype(model.dtype)
+        head = load_eagle3_head(spec.model, model, target.model.embed_tokens, config.device, head_dtype)
         # oneDNN-packed weights as the target's (its LM head is most of a draft pass's bytes)
         prepack_linears(head, lm_head_only=config.compilation_config.compiles)
         compile_drafter(head, "EAGLE-3 head", config.compilation_config)
@@ -43,7 +44,8 @@ def build_proposer(config: EngineConfig, target: nn.Module, draft_mode: DraftMod
                               model.max_model_len, probabilistic, sharded=draft_mode.mode == "sharded",
                               target_backends=target_backends, padded_size=config.compilation_config.padded_size,
                               defers=defers_step0(spec.method, draft_mode.mode,
-                                                  config.parallel_config.prefill_context_parallel_size))
+                                                  config.parallel_config.prefill_context_parallel_size),
+                              kv_dtype=config.cache_config.kv_dtype(head_dtype))
     if spec.method == "dspark":  # always replicated over the global batch (DESIGN §5)
         assert spec.model is not None
         drafter = load_dspark_drafter(spec.model, model, spec.max_num_speculative_tokens, config.device)

@@ -139,10 +139,9 @@ class ParallelConfig:
     enable_expert_parallel: bool = False
     decode_context_parallel_size: int = 1  # accepted as a name only: DCP is outside tandem's contract
     # where each token's K/V lives under PCP: "replicated" (every rank holds the whole context) or "sharded"
-    # (on the rank that owns its KV block, attention/kv_ownership.py: context capacity grows with the PCP size);
-    # "auto" (the default) is sharded when the target's attention backend attends over sharded KV, else replicated
-    # (docs/pcp.md: sharded was faster at every measured point and serves P x the context). validate() resolves it.
-    pcp_kv_layout: str = "auto"
+    # (on the rank that owns its KV block, attention/kv_ownership.py: context capacity grows with the PCP size).
+    # Neither is faster everywhere (docs/pcp.md): sharded wins long prefills, replicated short-context decoding
+    pcp_kv_layout: str = "replicated"
 
     @property
     def world_size(self) -> int:
@@ -305,7 +304,7 @@ class AttentionConfig:
     backend_per_kind: dict[str, str] = field(default_factory=dict)
 
 
-PCP_KV_LAYOUTS = ("auto", "replicated", "sharded")
+PCP_KV_LAYOUTS = ("replicated", "sharded")
 DRAFT_DTYPES = ("auto", "float32", "bfloat16")
 
 # vLLM's default capture sizes, cut at 512 (tandem's steps are at most max_num_batched_tokens anyway).
@@ -429,20 +428,7 @@ class EngineConfig:
         sizes = self.compilation_config.cudagraph_capture_sizes
         if any(not isinstance(n, int) or n < 1 for n in sizes) or len(set(sizes)) != len(sizes):
             _fail("compilation_config.cudagraph_capture_sizes", list(sizes), "distinct positive integers")
-        return self._resolve_pcp_kv_layout()
-
-    def _resolve_pcp_kv_layout(self) -> EngineConfig:
-        """pcp_kv_layout "auto" made concrete, so every rank and the scheduler read one layout."""
-        p = self.parallel_config
-        if p.pcp_kv_layout != "auto":
-            return self
-        layout = "replicated"  # PCP size 1: one rank owns every block, the layouts coincide
-        if p.prefill_context_parallel_size > 1:
-            from tandem.attention.backend import select_target_backends  # attention reads this module
-
-            if all(cls.supports_kv_sharding() for cls in select_target_backends(self).values()):
-                layout = "sharded"
-        return replace(self, parallel_config=replace(p, pcp_kv_layout=layout))
+        return self
 
     def _reject_unsupported(self) -> None:
         p, pcp = self.parallel_config, self.parallel_config.prefill_context_parallel_size

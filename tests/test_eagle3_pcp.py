@@ -77,12 +77,13 @@ def test_pcp_eagle3_matches_single_rank(pair, pcp, tp, mode, kv, graph, sampling
 
 @pytest.mark.parametrize("mode", ["sharded", "replicated"])
 def test_bfloat16_head_under_pcp_equals_non_speculative(pair, mode):
-    """draft_dtype "bfloat16" under a float32 target, PCP 2 with sharded KV (the default layout): the head's bf16
-    states, K/V and drafts cross the ranks in both draft modes; greedy output stays non-speculative greedy."""
+    """draft_dtype "bfloat16" under a float32 target, PCP 2 with sharded KV: the head's bf16 states, K/V and drafts
+    cross the ranks in both draft modes; greedy output stays non-speculative greedy."""
     target, head = pair
     spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "draft_dtype": "bfloat16",
             "attention_backend": DRAFT_BACKEND[mode]}
-    tokens, draft_mode, metrics = _run(target, "greedy", prefill_context_parallel_size=2, speculative_config=spec)
+    tokens, draft_mode, metrics = _run(target, "greedy", prefill_context_parallel_size=2, pcp_kv_layout="sharded",
+                                       speculative_config=spec)
     assert draft_mode == mode
     assert tokens == _single(target, "greedy", None)[0], f"{mode}: bf16 head's greedy output differs"
     assert metrics["tandem:spec_decode_num_accepted_tokens"] > 0

@@ -19,8 +19,7 @@ def test_matrix_rows_draft_with_the_given_head():
         replicated = rows[f"PCP{p} + greedy fixed K, replicated draft"]
         assert replicated["prefill_context_parallel_size"] == p
         assert replicated["speculative_config"]["attention_backend"] == "CONTIGUOUS_SDPA"
-        assert rows[f"PCP{p} replicated KV + greedy fixed K"]["pcp_kv_layout"] == "replicated"
-        assert "pcp_kv_layout" not in rows[f"PCP{p} + greedy fixed K"]  # the default layout
+        assert rows[f"PCP{p} sharded KV + greedy fixed K"]["pcp_kv_layout"] == "sharded"
     assert all(cfg["speculative_config"]["method"] == "eagle3" and cfg["speculative_config"]["model"] == "/heads/h"
                and cfg["speculative_config"]["num_speculative_tokens"] == 3 for cfg in rows.values())
     assert not any("DSpark" in name for name in rows)
@@ -36,7 +35,7 @@ def test_eagle3_matrix_rows_have_equal_acceptance(tiny_checkpoints, tmp_path):
     base = {"model": str(target), "dtype": "float32", "max_num_batched_tokens": 64,
             "speculative_config": {"method": "eagle3", "model": str(head), "num_speculative_tokens": 2}}
     questions, shots = synthetic_split("test", 4), synthetic_split("shots", 2)
-    rows = ["TP2 + greedy fixed K", "PCP2 + greedy fixed K", "PCP2 replicated KV + greedy fixed K, replicated draft"]
+    rows = ["TP2 + greedy fixed K", "PCP2 + greedy fixed K", "PCP2 sharded KV + greedy fixed K, replicated draft"]
     results = ev.run_matrix(base, questions, shots, 16, 0.0, 42, 2, rows)
     assert [r.name for r in results] == rows and not any(r.note for r in results)
     lengths = {r.acceptance_length for r in results}

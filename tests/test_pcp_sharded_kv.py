@@ -96,23 +96,23 @@ def test_sharded_equals_replicated_with_dspark():
     spec = {"method": "dspark", "model": str(DEFAULT_DSPARK), "num_speculative_tokens": 2}
     sharded, _, metrics = _run(str(DEFAULT_MODEL), prefill_context_parallel_size=2, pcp_kv_layout="sharded",
                                speculative_config=spec)
-    replicated, _, _ = _run(str(DEFAULT_MODEL), prefill_context_parallel_size=2, pcp_kv_layout="replicated",
-                            speculative_config=spec)
+    replicated, _, _ = _run(str(DEFAULT_MODEL), prefill_context_parallel_size=2, speculative_config=spec)
     assert metrics["tandem:spec_decode_num_drafts"] > 0
     assert sharded == replicated
 
 
 @pytest.mark.parametrize("pcp", [2, 4])
 def test_per_rank_pool_of_c_tokens_serves_a_prompt_of_095_p_c(tiny_checkpoints, pcp):
-    """Capacity: with a KV pool per rank of C = 128 tokens, the default layout (sharded on PAGED_MLA) runs a prompt
-    of 0.95 P C tokens and gives the single rank's tokens; replicated KV cannot even be configured past C."""
+    """Capacity: with a KV pool per rank of C = 128 tokens, sharded KV runs a prompt of 0.95 P C tokens and gives
+    the single rank's tokens; replicated KV cannot even be configured past C."""
     path = str(tiny_checkpoints("deepseek_v3"))
     per_rank_blocks, block_size = 8, 16  # C = 128 tokens
     capacity = pcp * per_rank_blocks * block_size
     prompt = random_prompts([int(0.95 * capacity)], vocab_size=500, seed=pcp)[0]
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     engine = {"dtype": "float32", "block_size": block_size, "max_model_len": capacity, "max_num_batched_tokens": 256}
-    llm = LLM(path, **engine, prefill_context_parallel_size=pcp, num_gpu_blocks_override=per_rank_blocks)
+    llm = LLM(path, **engine, prefill_context_parallel_size=pcp, pcp_kv_layout="sharded",
+              num_gpu_blocks_override=per_rank_blocks)
     try:
         out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
     finally:
@@ -125,30 +125,9 @@ def test_per_rank_pool_of_c_tokens_serves_a_prompt_of_095_p_c(tiny_checkpoints, 
     finally:
         single.shutdown()
     with pytest.raises(ConfigError, match="pcp_kv_layout='sharded'"):
-        LLM(path, **engine, prefill_context_parallel_size=pcp, pcp_kv_layout="replicated",
-            num_gpu_blocks_override=per_rank_blocks)
-
-
-@pytest.mark.parametrize("arch", ["deepseek_v3", "llama"])
-def test_default_layout_is_sharded_where_the_backend_supports_it(tiny_checkpoints, arch):
-    """pcp_kv_layout "auto" (the default): sharded under PCP on the automatic backends, replicated on a backend that
-    cannot attend over sharded KV (REFERENCE_*), which an explicit "sharded" names; PCP 1 needs no sharding."""
-    from tandem.entrypoints.engine_args import EngineArgs
-
-    path = str(tiny_checkpoints(arch))
-    reference = "REFERENCE_MLA" if arch == "deepseek_v3" else "REFERENCE_SDPA"
-
-    def layout(**kwargs) -> str:
-        return EngineArgs(model=path, **kwargs).create_engine_config().parallel_config.pcp_kv_layout
-
-    assert layout(prefill_context_parallel_size=2) == "sharded"
-    assert layout(prefill_context_parallel_size=2, pcp_kv_layout="replicated") == "replicated"
-    assert layout() == "replicated"
-    assert layout(prefill_context_parallel_size=2, attention_config={"backend": reference}) == "replicated"
-    with pytest.raises(ValueError, match=f"{reference}' does not attend over owner-sharded KV"):
-        LLM(path, prefill_context_parallel_size=2, pcp_kv_layout="sharded", attention_config={"backend": reference})
+        LLM(path, **engine, prefill_context_parallel_size=pcp, num_gpu_blocks_override=per_rank_blocks)
 
 
 def test_unknown_kv_layout_is_named():
-    with pytest.raises(ConfigError, match="pcp_kv_layout='sideways'.*auto, replicated, sharded"):
+    with pytest.raises(ConfigError, match="pcp_kv_layout='sideways'.*replicated, sharded"):
         LLM(str(DEFAULT_MODEL), prefill_context_parallel_size=2, pcp_kv_layout="sideways")

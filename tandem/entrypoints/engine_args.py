@@ -45,7 +45,7 @@ class EngineArgs:
     seed: int = 0
     tensor_parallel_size: int = 1
     prefill_context_parallel_size: int = 1
-    pcp_kv_layout: str = "auto"
+    pcp_kv_layout: str = "replicated"
     enable_expert_parallel: bool = False
     speculative_config: dict[str, Any] | None = None
     attention_config: dict[str, Any] | None = None
@@ -111,10 +111,9 @@ class EngineArgs:
         p.add_argument("--seed", type=int, default=d.seed)
         p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
         p.add_argument("-pcp", "--prefill-context-parallel-size", type=int, default=1)
-        p.add_argument("--pcp-kv-layout", choices=("auto", "replicated", "sharded"), default=d.pcp_kv_layout,
+        p.add_argument("--pcp-kv-layout", choices=("replicated", "sharded"), default=d.pcp_kv_layout,
                        help="under PCP, every rank holds the whole KV (replicated) or each token's K/V lives on "
-                            "one rank (sharded: context capacity grows with the PCP size); auto: sharded where the "
-                            "attention backend supports it")
+                            "one rank (sharded: context capacity grows with the PCP size)")
         p.add_argument("--enable-expert-parallel", action="store_true")
         for name in ("speculative", "attention", "compilation", "structured-outputs"):
             p.add_argument(f"--{name}-config", type=_json_arg, default=None, help="JSON object")

@@ -223,13 +223,11 @@ def matrix_configs(k: int, drafter: dict[str, Any] | None = None, attention_kind
         if drafter is None:
             rows.append((f"PCP{p} + DSpark greedy fixed K", {**pcp, "speculative_config": {
                 "method": "dspark", "num_speculative_tokens": k}}))
-        # the rows above run the default KV layout (owner-sharded where the backend supports it); the replicated
-        # layout's acceptance must equal theirs
+        # owner-sharded KV (pcp_kv_layout sharded): acceptance must equal the replicated rows above
         rows += [
-            (f"PCP{p} replicated KV + greedy fixed K", {**pcp, "pcp_kv_layout": "replicated",
-                                                        "speculative_config": spec}),
-            (f"PCP{p} replicated KV + greedy fixed K, replicated draft", {**pcp, "pcp_kv_layout": "replicated",
-                                                                          "speculative_config": replicated}),
+            (f"PCP{p} sharded KV + greedy fixed K", {**pcp, "pcp_kv_layout": "sharded", "speculative_config": spec}),
+            (f"PCP{p} sharded KV + greedy fixed K, replicated draft", {**pcp, "pcp_kv_layout": "sharded",
+                                                                       "speculative_config": replicated}),
         ]
     return rows
 

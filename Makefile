@@ -50,8 +50,8 @@ DRAFT_SMOLLM2_ARGS := --num-prompts 1536 --max-tokens 256 --epochs 3 --threads 2
 DRAFT_SMOLLM2_BIG_ARGS := --num-prompts 6144 --max-tokens 256 --epochs 3 --threads 2 --lr 6e-4 --max-steps 614
 DRAFT_SMOLLM2_S3_ARGS := --num-prompts 4096 --max-tokens 256 --epochs 2 --threads 2 --lr 6e-4 --seed 1 \
 	--distill-dtype bfloat16
-# stage 4: the 3,181 GSM8K train questions no earlier stage answered (after stages 1-2's 3,072 of seed 0's order,
-# less stage 3's) and 2,048 new Magpie requests
+# stage 4: 3,072 of the 3,181 GSM8K train questions no earlier stage answered (those after stages 1-2's 3,072 of
+# seed 0's order, less stage 3's) and 2,048 new Magpie requests
 DRAFT_SMOLLM2_S4_ARGS := --num-prompts 5120 --magpie-share 0.4 --max-tokens 256 --epochs 2 --threads 2 --lr 6e-4 \
 	--seed 0 --prompt-offset 3072 --distill-dtype bfloat16
 train-draft-smollm2: $(SMOLLM2)/config.json

@@ -234,7 +234,7 @@ def test_d2t_outside_the_target_vocabulary_is_named(tiny_checkpoints, tmp_path):
         LLM(str(target), **ENGINE, speculative_config=_eagle3(head, 2))
 
 
-def test_draft_dtype_is_checked(pair, tiny_checkpoints):
+def test_draft_dtype_is_checked(pair):
     target, head = pair("llama")
     with pytest.raises(ConfigError, match="speculative_config.draft_dtype='float16' is not allowed: one of auto, "
                                           "float32, bfloat16"):

@@ -146,7 +146,6 @@ def test_target_layer_init_computes_that_target_layer(tiny_checkpoints):
 
 
 def test_draft_vocab_d2t_t2d_worked_example():
-
     vocab = build_vocab(Counter({4: 10, 5: 7, 3: 1}), 3, 6, always=[1])
     assert vocab.target_ids.tolist() == [1, 4, 5]
     assert vocab.d2t.tolist() == [1, 3, 3]

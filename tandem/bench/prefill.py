@@ -61,7 +61,7 @@ class PrefillRun:
     rank_cpu_s: list[float]  # CPU seconds of each rank in the best repeat (contention-robust at 1 thread/rank)
     peak_rss_mib: list[float]  # each rank's process high-water mark so far
     first_token: int
-    kv_layout: str = "replicated"  # the PCP KV layout the engine resolved (pcp_kv_layout "auto" made concrete)
+    kv_layout: str = "replicated"  # the engine's pcp_kv_layout (the gather-bytes formula is the replicated one's)
 
 
 @dataclass(frozen=True)

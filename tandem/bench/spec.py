@@ -58,8 +58,6 @@ class SpecBench:
     waves: int = 1  # generate calls of B prompts each per timed run, on the next prompts (batch 1 over many prompts)
 
     def __post_init__(self) -> None:
-        if self.waves < 1:
-            raise ValueError(f"--waves {self.waves} is not allowed: at least 1")
         if self.waves > 1 and self.vs is not None:
             raise ValueError(f"--waves {self.waves} is not allowed with --vs {self.vs}: the peer runs one generate "
                              "call per start; use --waves 1")

@@ -50,8 +50,7 @@ def report(result: dict[str, Any]) -> str:
         if not r["tokens_equal_no_spec"] and r["k"] is not None:
             lines.append(f"!!! MISMATCH: {r['engine']} K={r['k']} batch {r['batch_size']}: only "
                          f"{r['num_equal_no_spec']}/{r.get('num_outputs', r['batch_size'])} outputs equal its no-spec "
-                         "outputs; greedy "
-                         "speculative decoding must be lossless")
+                         "outputs; greedy speculative decoding must be lossless")
     lines.append(f"1-min load: {info['load_avg_1m_at_start']:.2f} at start, "
                  f"{info['load_avg_1m_at_end']:.2f} at the end (this run alone accounts for about "
                  f"{info['torch_threads']})")

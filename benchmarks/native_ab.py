@@ -2,12 +2,15 @@
 side by side under their own op namespaces and called in alternating order, so a machine whose speed drifts between
 minutes slows both alike. The measurements behind docs/kernels.md's A/B tables.
 
-    python benchmarks/native_ab.py {attention,gemv} REV [--threads 2] [--rounds 6]
+    python benchmarks/native_ab.py {attention,gemv,gemv-sweep} REV [--threads 2] [--rounds 6]
 
 attention: tandem/native/paged_attention.cpp, one line per (dtype, rows x queries x keys) case over 30 layers' caches;
 gemv: tandem/native/small_gemm.cpp's small_linear, one line per (dtype, rows, [N, K]) case over 30 distinct weights
 (SmolLM2-135M's projections). Each line: microseconds per call (the median of the rounds, each over the 30 inputs in
-turn, cold) before and after, their ratio, and whether the outputs are identical to the bit.
+turn, cold) before and after, their ratio, and whether the outputs are identical to the bit. gemv-sweep: the same
+kernel over a whole decode's projections (SmolLM2-135M's qkv, o, gate_up and down of 30 layers in turn, twice that
+in bfloat16: ~425 MB either way, past this VM's 300 MiB L3, so the weights come from DRAM as a decode's do), one line
+per (dtype, rows), in milliseconds a sweep.
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ from tandem.native import ISA_FLAGS
 
 NATIVE = Path(__file__).resolve().parent.parent / "tandem" / "native"
 LAYERS, BLOCK = 30, 16
-SOURCES = {"attention": "paged_attention.cpp", "gemv": "small_gemm.cpp"}
-HELPERS = {"attention": (), "gemv": ("elementwise.cpp",)}  # sources a kernel calls into (silu_mul)
+SOURCES = {"attention": "paged_attention.cpp", "gemv": "small_gemm.cpp", "gemv-sweep": "small_gemm.cpp"}
+# sources a kernel calls into (silu_mul)
+HELPERS = {"attention": (), "gemv": ("elementwise.cpp",), "gemv-sweep": ("elementwise.cpp",)}
 # (queries' dtype, cache's dtype, rows, queries a row, keys a row): SmolLM2's heads (9 query / 3 KV heads x 64)
 CASES = [(torch.bfloat16, torch.bfloat16, 32, 1, 80), (torch.bfloat16, torch.bfloat16, 32, 1, 512),
          (torch.bfloat16, torch.bfloat16, 1, 1, 2048), (torch.bfloat16, torch.bfloat16, 32, 64, 64),
@@ -40,6 +44,8 @@ CASES = [(torch.bfloat16, torch.bfloat16, 32, 1, 80), (torch.bfloat16, torch.bfl
 # (dtype, rows of x, N, K): SmolLM2-135M's qkv, o, gate_up and down projections at a decode's few rows
 GEMV_CASES = [(dtype, rows, n, k) for dtype, rows in ((torch.bfloat16, 1), (torch.float32, 1), (torch.float32, 4))
               for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536))]
+SWEEP_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # a SmolLM2-135M layer's projections, [N, K]
+SWEEP_ROWS = (1, 2, 3, 4, 8)
 
 
 def build(name: str, source: str, folder: Path, helpers: tuple[str, ...] = ()) -> Any:
@@ -115,6 +121,24 @@ def gemv(ops: dict[str, Any], rounds: int) -> None:
               f"{after:.1f} us, after / before {after / before:.2f}, identical {same}", flush=True)
 
 
+def gemv_sweep(ops: dict[str, Any], rounds: int) -> None:
+    for dtype in (torch.float32, torch.bfloat16):
+        layers = LAYERS * (4 // dtype.itemsize)  # ~425 MB of weights in either dtype
+        weights = [(torch.randn(n, k) * k ** -0.5).to(dtype) for _ in range(layers) for n, k in SWEEP_SHAPES]
+        for rows in SWEEP_ROWS:
+            xs = {k: torch.randn(rows, k).to(dtype) for _, k in SWEEP_SHAPES}
+
+            def sweep(name: str, xs: dict[int, torch.Tensor] = xs,
+                      weights: list[torch.Tensor] = weights) -> torch.Tensor:
+                return torch.cat([ops[name].small_linear(xs[w.shape[1]], w, None).flatten() for w in weights])
+
+            before, after, same = alternate(rounds, sweep)
+            scale = LAYERS / 1e3  # alternate() divides by LAYERS: back to one sweep, in ms
+            print(f"{str(dtype).removeprefix('torch.')}, {rows} row(s), {len(weights)} projections: before "
+                  f"{before * scale:.2f} ms, after {after * scale:.2f} ms, after / before {after / before:.2f}, "
+                  f"identical {same}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("kernel", choices=sorted(SOURCES))
@@ -131,7 +155,7 @@ def main() -> None:
         helpers = HELPERS[args.kernel]
         ops = {"before": build("tandem_ab_before", before_src, Path(tmp), helpers),
                "after": build("tandem_ab_after", (NATIVE / source).read_text(), Path(tmp), helpers)}
-    (attention if args.kernel == "attention" else gemv)(ops, args.rounds)
+    {"attention": attention, "gemv": gemv, "gemv-sweep": gemv_sweep}[args.kernel](ops, args.rounds)
 
 
 if __name__ == "__main__":

@@ -131,8 +131,8 @@ def test_cpu_gemm_routes_few_rows_native_and_the_rest_to_pytorch(monkeypatch: py
             torch.testing.assert_close(cpu_gemm.linear(x, w_big, None, packed), F.linear(x, w_big),
                                        rtol=1e-4, atol=1e-4)
             assert len(calls) == (rows <= cpu_gemm.SMALL_ROWS_PACKED)
-    # bfloat16: one row native (cpu_gemm.SMALL_ROWS_BF16), more rows on oneDNN / F.linear
-    for rows in (1, 2):
+    # bfloat16: up to cpu_gemm.SMALL_ROWS_BF16 rows native (4 with bf16 dot products, else 1), more on oneDNN / F.linear
+    for rows in (1, cpu_gemm.SMALL_ROWS_BF16, cpu_gemm.SMALL_ROWS_BF16 + 1):
         calls.clear()
         x = torch.randn(rows, 64, generator=gen).bfloat16()
         got = cpu_gemm.linear(x, w.bfloat16(), b.bfloat16(), None)

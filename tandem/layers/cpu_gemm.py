@@ -49,12 +49,15 @@ _CPU_HAS_BF16_DOT = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_t
 # 16 vector registers, an f32x16 takes two): measured there (AMD EPYC avx2, 2 threads, us, F.linear / native)
 # [576, 256] 19/12 at 1 row, 54/35 at 4, 54/71 at 8, 79/111 at 16; [2048, 256] 65/43, 188/119, 191/217, 268/414
 SMALL_ROWS = 16 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 4
-SMALL_ROWS_PACKED = 4  # ... and a packed one
-# bfloat16: one row (a batch-1 decode's GEMV, 16 weight rows in flight, avx512_bf16 dot products where the CPU has
-# them). Measured, cold weights (AMD EPYC avx512_bf16, 2 threads, us, oneDNN packed / native): [960, 576] 66/55,
-# [576, 576] 44/35, [576, 1536] 97/65, [3072, 576] 159/163 at one row; at two rows oneDNN's packed GEMM is as fast
-# or faster ([3072, 576] 171/239)
-SMALL_ROWS_BF16 = 1
+# ... and a packed one. Since the kernel streams 16 weight rows at once and prefetches the next 16, it holds a
+# one-row decode's time up to 4 rows (a K = 3 verification pass). Measured (Intel Xeon with AMX, 2 threads, SmolLM2's
+# 120 projections of a decode in turn, ~425 MB, cold; ms a sweep, native / oneDNN packed): float32 1 row 14.6/17.5,
+# 4 rows 15.1/21.1, 8 rows 21.3/23.0, 12 rows 25.9/25.7, 16 rows 30.9/27.8; bfloat16 1 row 14.8/20.0, 2 rows
+# 15.6/19.9, 4 rows 18.0/20.6, 6 rows 22.8/20.9 (oneDNN's AMX GEMM stays at one read of the weights there)
+SMALL_ROWS_PACKED = 8
+# bfloat16 on a CPU with bf16 dot products: up to 4 rows (the avx512_bf16 dot products above); elsewhere the
+# widening path serves one row (a batch-1 decode), where oneDNN's bf16 GEMM has no native path either
+SMALL_ROWS_BF16 = 4 if torch.cpu._is_avx512_bf16_supported() else 1
 SMALL_MAX_ELEMENTS = 1 << 22  # weights past 16 MiB of float32 (LM heads) stay on oneDNN / MKL
 
 

@@ -3,8 +3,9 @@
 // At 2-8 rows MKL's sgemm costs twice its single-row gemv on the same weight (measured, AMD EPYC avx512, 2 threads:
 // [576, 256] 23 us at one row, 46-50 us at 2-8 rows; [2048, 256] 81 vs 154 us): it re-blocks the weight for a
 // general GEMM, so a verification pass of K + 1 rows paid twice a decode's GEMM time before any arithmetic. Here the
-// weight is streamed once from where it lies, four of its rows at a time against every row of x (x's few rows stay
-// in L1), with 4 x 4 independent accumulators so the FMA units are not waiting on one dependency chain.
+// weight is streamed once from where it lies, sixteen of its rows at a time against up to four rows of x (x's few
+// rows stay in L1), with a separate accumulator for each pair so the FMA units are not waiting on one dependency
+// chain, and the next sixteen rows prefetched while these are summed.
 //
 // Each output is one dot product summed in one fixed order (16 lanes, then a tree), whatever the row count and the
 // thread split: a row's result does not depend on the batch it runs in.
@@ -29,10 +30,10 @@
 namespace {
 
 constexpr int64_t kMaxRows = 16;            // rows of x the kernel takes (the caller checks SMALL_GEMM_ROWS)
-constexpr int64_t kWeightRows = 4;          // weight rows a pass streams together
-// ... and for a single row of x (a batch-1 decode's GEMV): more weight rows in flight, one accumulator each, so the
-// loads of 16 rows' cache lines overlap (2 threads read ~20-29 GB/s this way, AMD EPYC avx512, against ~17-21 GB/s
-// for oneDNN's bf16 GEMV and the 4-row loop). avx2 keeps 4 (its f32x16 is two of its 16 registers).
+constexpr int64_t kWeightRows = 4;          // weight rows of block<> (the experts kernel, a block's last rows)
+// Weight rows streamed together against every row of x: 16 rows' loads in flight overlap (2 threads read ~20-29
+// GB/s this way on one row, AMD EPYC avx512, against ~17-21 GB/s for oneDNN's bf16 GEMV and a 4-row loop). avx2
+// keeps 4 (its f32x16 is two of its 16 registers).
 #ifdef __AVX512F__
 constexpr int64_t kGemvRows = 16;
 #else
@@ -87,22 +88,68 @@ inline void block_rows(int64_t mr, const T* const* x, const T* const* w, int64_t
   }
 }
 
-// One row of x against kGemvRows contiguous weight rows [kGemvRows, k]: out[j] = x . w_j, each output summed
-// exactly as block<> sums it (16 lanes stepping by 16, then hsum and the tail), so a row's result is the same bits
-// whether it runs alone (this path) or among others (block<>).
-template <typename T>
-inline void gemv_block(const T* x, const T* w, int64_t k, float* out) {
-  f32x16 acc[kGemvRows] = {};
+// Software prefetch of the next weight block. A weight row of SmolLM2 is 2-6 KB: too short a stream for the hardware
+// prefetchers to run far ahead, so a block's first loads wait on DRAM, and at 2-4 rows of x (a verification pass)
+// the multiply-adds between loads leave the memory bus idle. Spreading prefetches of block b + 1 over block b's loop
+// keeps it busy: measured (this VM, Intel Xeon with AMX, 2 threads, SmolLM2's 120 projections over 30 layers, cold,
+// us a sweep; benchmarks/native_ab.py gemv) float32 1 row 15.5 -> 12.5 ms, 4 rows 20.8 -> 13.8 ms; bfloat16 1 row
+// 20.1 -> 13.9 ms. prefetcht2: into the outer caches, not L1, which holds the block being summed.
+struct NextBlock {
+  const char* lines = nullptr;  // the next block's first byte, or null (the last block of a thread's range)
+  int64_t count = 0;            // its 64-byte lines
+  int64_t per_step = 0;         // lines to prefetch each step of the k loop, so the whole block is asked for in time
+  int64_t issued = 0;
+
+  NextBlock(const void* next, int64_t bytes, int64_t steps)
+      : lines(static_cast<const char*>(next)), count(next ? (bytes + 63) / 64 : 0),
+        per_step(steps > 0 ? (count + steps - 1) / steps : count) {}
+
+  inline void step() {
+    for (int64_t q = 0; q < per_step && issued < count; ++q, ++issued) {
+      _mm_prefetch(lines + issued * 64, _MM_HINT_T2);
+    }
+  }
+};
+
+// MR (1-4) rows of x against kGemvRows contiguous weight rows [kGemvRows, k]: out[m * ldo + j] = x_m . w_j. Each
+// output is summed exactly as block<> sums it (16 lanes stepping by 16, then hsum and the tail), so a row's result
+// is the same bits whatever the rows beside it and whichever path runs it. kGemvRows weight rows in flight at once
+// (their loads overlap); at MR = 1 the 16 accumulators stay in registers, at MR > 1 the MR x 16 live in L1 and
+// each weight vector loaded is used MR times.
+template <int MR, typename T>
+inline void rows_block(const T* const* x, const T* w, int64_t k, float* out, int64_t ldo, NextBlock next) {
+  f32x16 acc[MR][kGemvRows];
+  for (int m = 0; m < MR; ++m) {
+    for (int j = 0; j < kGemvRows; ++j) acc[m][j] = f32x16{};
+  }
   int64_t i = 0;
   for (; i + 16 <= k; i += 16) {
-    const f32x16 xm = load_any(x + i);
+    next.step();
+    f32x16 xm[MR];
+    for (int m = 0; m < MR; ++m) xm[m] = load_any(x[m] + i);
 #pragma GCC unroll 16
-    for (int j = 0; j < kGemvRows; ++j) acc[j] += xm * load_any(w + j * k + i);
+    for (int j = 0; j < kGemvRows; ++j) {
+      const f32x16 wj = load_any(w + j * k + i);
+#pragma GCC unroll 4
+      for (int m = 0; m < MR; ++m) acc[m][j] += xm[m] * wj;
+    }
   }
-  for (int j = 0; j < kGemvRows; ++j) {
-    float sum = hsum(acc[j]);
-    for (int64_t t = i; t < k; ++t) sum += to_float(x[t]) * to_float(w[j * k + t]);
-    out[j] = sum;
+  for (int m = 0; m < MR; ++m) {
+    for (int j = 0; j < kGemvRows; ++j) {
+      float sum = hsum(acc[m][j]);
+      for (int64_t t = i; t < k; ++t) sum += to_float(x[m][t]) * to_float(w[j * k + t]);
+      out[m * ldo + j] = sum;
+    }
+  }
+}
+
+template <typename T>
+inline void rows_blocks(int64_t mr, const T* const* x, const T* w, int64_t k, float* tile, NextBlock next) {
+  switch (mr) {
+    case 1: rows_block<1>(x, w, k, tile, kGemvRows, next); break;
+    case 2: rows_block<2>(x, w, k, tile, kGemvRows, next); break;
+    case 3: rows_block<3>(x, w, k, tile, kGemvRows, next); break;
+    default: rows_block<4>(x, w, k, tile, kGemvRows, next); break;
   }
 }
 
@@ -152,78 +199,91 @@ void block_rows_dp(int64_t mr, const unsigned short* const* x, const unsigned sh
   }
 }
 
-// gemv_block for avx512_bf16, summing each output as block_dp<> does
+// rows_block for avx512_bf16, summing each output as block_dp<> does
+template <int MR>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-void gemv_block_dp(const unsigned short* x, const unsigned short* w, int64_t k, float* out) {
-  __m512 acc[kGemvRows];
-  for (int j = 0; j < kGemvRows; ++j) acc[j] = _mm512_setzero_ps();
+void rows_block_dp(const unsigned short* const* x, const unsigned short* w, int64_t k, float* out, int64_t ldo,
+                   NextBlock next) {
+  __m512 acc[MR][kGemvRows];
+  for (int m = 0; m < MR; ++m) {
+    for (int j = 0; j < kGemvRows; ++j) acc[m][j] = _mm512_setzero_ps();
+  }
   int64_t i = 0;
   for (; i + 32 <= k; i += 32) {
-    const __m512bh xm = (__m512bh)_mm512_loadu_si512(x + i);
+    next.step();
+    __m512bh xm[MR];
+    for (int m = 0; m < MR; ++m) xm[m] = (__m512bh)_mm512_loadu_si512(x[m] + i);
 #pragma GCC unroll 16
     for (int j = 0; j < kGemvRows; ++j) {
-      acc[j] = _mm512_dpbf16_ps(acc[j], xm, (__m512bh)_mm512_loadu_si512(w + j * k + i));
+      const __m512bh wj = (__m512bh)_mm512_loadu_si512(w + j * k + i);
+#pragma GCC unroll 4
+      for (int m = 0; m < MR; ++m) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xm[m], wj);
     }
   }
-  for (int j = 0; j < kGemvRows; ++j) {
-    float sum = _mm512_reduce_add_ps(acc[j]);
-    for (int64_t t = i; t < k; ++t) sum += to_float(x[t]) * to_float(w[j * k + t]);
-    out[j] = sum;
+  for (int m = 0; m < MR; ++m) {
+    for (int j = 0; j < kGemvRows; ++j) {
+      float sum = _mm512_reduce_add_ps(acc[m][j]);
+      for (int64_t t = i; t < k; ++t) sum += to_float(x[m][t]) * to_float(w[j * k + t]);
+      out[m * ldo + j] = sum;
+    }
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+void rows_blocks_dp(int64_t mr, const unsigned short* const* x, const unsigned short* w, int64_t k, float* tile,
+                    NextBlock next) {
+  switch (mr) {
+    case 1: rows_block_dp<1>(x, w, k, tile, kGemvRows, next); break;
+    case 2: rows_block_dp<2>(x, w, k, tile, kGemvRows, next); break;
+    case 3: rows_block_dp<3>(x, w, k, tile, kGemvRows, next); break;
+    default: rows_block_dp<4>(x, w, k, tile, kGemvRows, next); break;
   }
 }
 
 const bool kHasBf16Dot = __builtin_cpu_supports("avx512bf16");
 
-// The weight streamed once for every row of x: parallel over blocks of 4 weight rows, each against every row of x,
-// 4 at a time. rows_of(m0, mr, xr) fills xr with the mr rows from m0 (the last repeated to 4); tile_of runs a block;
-// write(m, n0 + j, value) stores one result.
-template <typename T, typename Tile, typename Write>
-void stream_weight(const T* xp, int64_t ldx, const T* wp, int64_t rows, int64_t n, int64_t k, Tile tile_of,
-                   Write write) {
-  const int64_t blocks = (n + kWeightRows - 1) / kWeightRows;
-  // work of a block: its weight rows times the passes over them (one per 4 rows of x)
-  const int64_t block_work = kWeightRows * k * ((rows + 3) / 4);
-  const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, block_work));
+// The weight streamed once for every row of x: parallel over blocks of kGemvRows weight rows, each against every row
+// of x, 4 at a time (rows 5-16 read the block again from cache; only the first group prefetches the next block).
+// rows_of(mr, xr, w, k, tile, next) runs a block; the last n % kGemvRows weight rows go through tile_of (block<>'s
+// 4 weight rows at a time). step: the elements of k one step of rows_of's loop covers. write(m, c, value) stores
+// one result.
+template <typename T, typename Rows, typename Tile, typename Write>
+void stream_rows(const T* xp, int64_t ldx, const T* wp, int64_t rows, int64_t n, int64_t k, int64_t step,
+                 Rows rows_of, Tile tile_of, Write write) {
+  const int64_t blocks = n / kGemvRows, groups = (rows + 3) / 4;
+  const int64_t block_bytes = kGemvRows * k * static_cast<int64_t>(sizeof(T));
+  const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, kGemvRows * k * groups / 4));
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    float tile[kMaxRows * kWeightRows];
+    float tile[4 * kGemvRows];
     for (int64_t b = begin; b < end; ++b) {
-      const int64_t n0 = b * kWeightRows, width = std::min<int64_t>(kWeightRows, n - n0);
-      // a partial last block repeats its last weight row; the repeats' results are not written
-      const T* w[kWeightRows];
-      for (int64_t j = 0; j < kWeightRows; ++j) w[j] = wp + (n0 + std::min<int64_t>(j, width - 1)) * k;
+      const T* wb = wp + b * kGemvRows * k;
       for (int64_t m0 = 0; m0 < rows; m0 += 4) {
-        const T* xr[4];
         const int64_t mr = std::min<int64_t>(4, rows - m0);
+        const T* xr[4];
         for (int64_t m = 0; m < 4; ++m) xr[m] = xp + (m0 + std::min<int64_t>(m, mr - 1)) * ldx;
-        tile_of(mr, xr, w, k, tile + m0 * kWeightRows);
-      }
-      for (int64_t m = 0; m < rows; ++m) {
-        for (int64_t j = 0; j < width; ++j) write(m, n0 + j, tile[m * kWeightRows + j]);
+        const bool ahead = m0 == 0 && b + 1 < end;
+        rows_of(mr, xr, wb, k, tile, NextBlock(ahead ? wb + kGemvRows * k : nullptr, block_bytes, k / step));
+        for (int64_t m = 0; m < mr; ++m) {
+          for (int64_t j = 0; j < kGemvRows; ++j) write(m0 + m, b * kGemvRows + j, tile[m * kGemvRows + j]);
+        }
       }
     }
   });
-}
-
-// One row of x: the weight in blocks of kGemvRows rows (gemv_of), the last n % kGemvRows rows through tile_of.
-template <typename T, typename Gemv, typename Tile, typename Write>
-void stream_gemv(const T* xp, const T* wp, int64_t n, int64_t k, Gemv gemv_of, Tile tile_of, Write write) {
-  const int64_t blocks = n / kGemvRows;
-  const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, kGemvRows * k / 4));
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    float tile[kGemvRows];
-    for (int64_t b = begin; b < end; ++b) {
-      gemv_of(xp, wp + b * kGemvRows * k, k, tile);
-      for (int64_t j = 0; j < kGemvRows; ++j) write(0, b * kGemvRows + j, tile[j]);
-    }
-  });
+  float tile[kMaxRows * kWeightRows];
   for (int64_t n0 = blocks * kGemvRows; n0 < n; n0 += kWeightRows) {
     const int64_t width = std::min<int64_t>(kWeightRows, n - n0);
+    // a partial last block repeats its last weight row; the repeats' results are not written
     const T* w[kWeightRows];
     for (int64_t j = 0; j < kWeightRows; ++j) w[j] = wp + (n0 + std::min<int64_t>(j, width - 1)) * k;
-    const T* xr[4] = {xp, xp, xp, xp};
-    float tile[kWeightRows];
-    tile_of(1, xr, w, k, tile);
-    for (int64_t j = 0; j < width; ++j) write(0, n0 + j, tile[j]);
+    for (int64_t m0 = 0; m0 < rows; m0 += 4) {
+      const T* xr[4];
+      const int64_t mr = std::min<int64_t>(4, rows - m0);
+      for (int64_t m = 0; m < 4; ++m) xr[m] = xp + (m0 + std::min<int64_t>(m, mr - 1)) * ldx;
+      tile_of(mr, xr, w, k, tile + m0 * kWeightRows);
+    }
+    for (int64_t m = 0; m < rows; ++m) {
+      for (int64_t j = 0; j < width; ++j) write(m, n0 + j, tile[m * kWeightRows + j]);
+    }
   }
 }
 
@@ -257,11 +317,8 @@ at::Tensor small_linear_isa(const at::Tensor& x, const at::Tensor& weight, const
   if (dtype == at::kFloat) {
     float* op = out.data_ptr<float>();
     auto write = [&](int64_t m, int64_t c, float v) { op[m * n + c] = v + (bp ? bp[c] : 0.f); };
-    if (rows == 1) {
-      stream_gemv(x.data_ptr<float>(), weight.data_ptr<float>(), n, k, gemv_block<float>, block_rows<float>, write);
-    } else {
-      stream_weight(x.data_ptr<float>(), ldx, weight.data_ptr<float>(), rows, n, k, block_rows<float>, write);
-    }
+    stream_rows(x.data_ptr<float>(), ldx, weight.data_ptr<float>(), rows, n, k, 16, rows_blocks<float>,
+                block_rows<float>, write);
     return out;
   }
   const auto* xp = reinterpret_cast<const unsigned short*>(x.data_ptr<at::BFloat16>());
@@ -269,14 +326,10 @@ at::Tensor small_linear_isa(const at::Tensor& x, const at::Tensor& weight, const
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   auto write = [&](int64_t m, int64_t c, float v) { op[m * n + c] = at::BFloat16(v + (bp ? bp[c] : 0.f)); };
   const bool dot = isa == 1 || (isa == -1 && kHasBf16Dot);
-  if (rows == 1 && dot) {
-    stream_gemv(xp, wp, n, k, gemv_block_dp, block_rows_dp, write);
-  } else if (rows == 1) {
-    stream_gemv(xp, wp, n, k, gemv_block<unsigned short>, block_rows<unsigned short>, write);
-  } else if (dot) {
-    stream_weight(xp, ldx, wp, rows, n, k, block_rows_dp, write);
+  if (dot) {
+    stream_rows(xp, ldx, wp, rows, n, k, 32, rows_blocks_dp, block_rows_dp, write);
   } else {
-    stream_weight(xp, ldx, wp, rows, n, k, block_rows<unsigned short>, write);
+    stream_rows(xp, ldx, wp, rows, n, k, 16, rows_blocks<unsigned short>, block_rows<unsigned short>, write);
   }
   return out;
 }

@@ -58,7 +58,13 @@ SMALL_ROWS_PACKED = 8
 # bfloat16 on a CPU with bf16 dot products: up to 4 rows (the avx512_bf16 dot products above); elsewhere the
 # widening path serves one row (a batch-1 decode), where oneDNN's bf16 GEMM has no native path either
 SMALL_ROWS_BF16 = 4 if torch.cpu._is_avx512_bf16_supported() else 1
-SMALL_MAX_ELEMENTS = 1 << 22  # weights past 16 MiB of float32 (LM heads) stay on oneDNN / MKL
+# Weights past 16 MiB of float32 (LM heads) go native up to 4 rows (a decode, a K = 3 verification), oneDNN past
+# that. Measured (Intel Xeon with AMX, 2 threads, ms a call, native / oneDNN packed): SmolLM2's [49152, 576] float32
+# head, five copies in turn (cold) 3.80/4.17 at one row, 4.35/5.01 at four; bfloat16, eight copies 1.93/2.10 and
+# 2.25/2.19; a [16384, 576] draft head in bfloat16 (cached) 0.31/0.33 at one row. Decode and verification rows then
+# get their logits from one kernel, whose rows do not depend on the batch (bfloat16 greedy verification stays exact)
+SMALL_MAX_ELEMENTS = 1 << 22
+SMALL_ROWS_BIG = 4
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -70,7 +76,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     # LM head there), so the same row limits apply; the guard on rows splits the compiled graphs at those limits
     packs = packed is not None or (compiling and weight.numel() >= PACK_MIN_ELEMENTS)
     limit = SMALL_ROWS_BF16 if weight.dtype == torch.bfloat16 else SMALL_ROWS_PACKED if packs else SMALL_ROWS
-    if rows <= limit and weight.numel() <= SMALL_MAX_ELEMENTS and weight.is_contiguous() \
+    if weight.numel() > SMALL_MAX_ELEMENTS:
+        limit = min(limit, SMALL_ROWS_BIG)
+    if rows <= limit and weight.is_contiguous() \
             and native.serves_gemm(x, weight):
         return native.small_linear(x.reshape(rows, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
     if packed is None or compiling:  # the compiler packs (freezing) what it compiles

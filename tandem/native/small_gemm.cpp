@@ -91,9 +91,10 @@ inline void block_rows(int64_t mr, const T* const* x, const T* const* w, int64_t
 // Software prefetch of the next weight block. A weight row of SmolLM2 is 2-6 KB: too short a stream for the hardware
 // prefetchers to run far ahead, so a block's first loads wait on DRAM, and at 2-4 rows of x (a verification pass)
 // the multiply-adds between loads leave the memory bus idle. Spreading prefetches of block b + 1 over block b's loop
-// keeps it busy: measured (this VM, Intel Xeon with AMX, 2 threads, SmolLM2's 120 projections over 30 layers, cold,
-// us a sweep; benchmarks/native_ab.py gemv) float32 1 row 15.5 -> 12.5 ms, 4 rows 20.8 -> 13.8 ms; bfloat16 1 row
-// 20.1 -> 13.9 ms. prefetcht2: into the outer caches, not L1, which holds the block being summed.
+// keeps it busy: measured against the kernel before (Intel Xeon with AMX, 2 threads, a decode's 120 SmolLM2
+// projections in turn, cold; benchmarks/native_ab.py gemv-sweep, docs/kernels.md) float32 1 row 13.6 -> 13.1 ms,
+// 4 rows 20.1 -> 13.6 ms; bfloat16 1 row 16.8 -> 14.0 ms, 4 rows 32.7 -> 15.6 ms. prefetcht2: into the outer caches,
+// not L1, which holds the block being summed.
 struct NextBlock {
   const char* lines = nullptr;  // the next block's first byte, or null (the last block of a thread's range)
   int64_t count = 0;            // its 64-byte lines

@@ -139,6 +139,14 @@ def test_cpu_gemm_routes_few_rows_native_and_the_rest_to_pytorch(monkeypatch: py
         torch.testing.assert_close(got.float(), F.linear(x.float(), w.bfloat16().float(), b.bfloat16().float()),
                                    rtol=1e-2, atol=1e-2)
         assert len(calls) == (rows <= cpu_gemm.SMALL_ROWS_BF16)
+    # an LM-head-sized weight (past SMALL_MAX_ELEMENTS, lowered here to this test's w_big) goes native only up to
+    # SMALL_ROWS_BIG rows, whatever its dtype's own limit
+    monkeypatch.setattr(cpu_gemm, "SMALL_MAX_ELEMENTS", w_big.numel() - 1)
+    for rows in (1, cpu_gemm.SMALL_ROWS_BIG, cpu_gemm.SMALL_ROWS_BIG + 1):
+        calls.clear()
+        x = torch.randn(rows, 256, generator=gen)
+        torch.testing.assert_close(cpu_gemm.linear(x, w_big, None, None), F.linear(x, w_big), rtol=1e-4, atol=1e-4)
+        assert len(calls) == (rows <= cpu_gemm.SMALL_ROWS_BIG), rows
     # callers the kernel does not serve: float64, autograd, a non-contiguous weight
     calls.clear()
     cpu_gemm.linear(torch.randn(1, 64, dtype=torch.float64), w.double(), None, None)

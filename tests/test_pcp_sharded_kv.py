@@ -128,6 +128,14 @@ def test_per_rank_pool_of_c_tokens_serves_a_prompt_of_095_p_c(tiny_checkpoints, 
         LLM(path, **engine, prefill_context_parallel_size=pcp, num_gpu_blocks_override=per_rank_blocks)
 
 
+@pytest.mark.parametrize("arch", ["deepseek_v3", "llama"])
+def test_sharded_kv_on_a_backend_that_cannot_attend_over_it_is_named(tiny_checkpoints, arch):
+    path = str(tiny_checkpoints(arch))
+    reference = "REFERENCE_MLA" if arch == "deepseek_v3" else "REFERENCE_SDPA"
+    with pytest.raises(ValueError, match=f"{reference}' does not attend over owner-sharded KV"):
+        LLM(path, prefill_context_parallel_size=2, pcp_kv_layout="sharded", attention_config={"backend": reference})
+
+
 def test_unknown_kv_layout_is_named():
     with pytest.raises(ConfigError, match="pcp_kv_layout='sideways'.*replicated, sharded"):
         LLM(str(DEFAULT_MODEL), prefill_context_parallel_size=2, pcp_kv_layout="sideways")

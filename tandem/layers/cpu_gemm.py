@@ -62,7 +62,8 @@ SMALL_ROWS_BF16 = 4 if torch.cpu._is_avx512_bf16_supported() else 1
 # that. Measured (Intel Xeon with AMX, 2 threads, ms a call, native / oneDNN packed): SmolLM2's [49152, 576] float32
 # head, five copies in turn (cold) 3.80/4.17 at one row, 4.35/5.01 at four; bfloat16, eight copies 1.93/2.10 and
 # 2.25/2.19; a [16384, 576] draft head in bfloat16 (cached) 0.31/0.33 at one row. Decode and verification rows then
-# get their logits from one kernel, whose rows do not depend on the batch (bfloat16 greedy verification stays exact)
+# get their logits from one kernel, whose rows do not depend on the batch (bfloat16 greedy verification of up to 4
+# rows, K <= 3 at batch 1, gives decoding's bits)
 SMALL_MAX_ELEMENTS = 1 << 22
 SMALL_ROWS_BIG = 4
 

@@ -49,9 +49,10 @@ SWEEP_ROWS = (1, 2, 3, 4, 8)
 
 
 def build(name: str, source: str, folder: Path, helpers: tuple[str, ...] = ()) -> Any:
-    """The kernel's source (vec16.h beside it, and this tree's `helpers` sources it calls into) as its own
+    """The kernel's source (this tree's headers beside it, and this tree's `helpers` sources it calls into) as its own
     extension, registered under torch.ops.<name>."""
-    (folder / "vec16.h").write_text((NATIVE / "vec16.h").read_text())
+    for header in NATIVE.glob("*.h"):
+        (folder / header.name).write_text(header.read_text())
     paths = []
     for stem, text in ((name, source), *((f"{name}_{Path(h).stem}", (NATIVE / h).read_text()) for h in helpers)):
         paths.append(folder / f"{stem}.cpp")

@@ -59,15 +59,22 @@ def _reference(q, k, v, table, rows, positions, scale):
     return out, lse
 
 
+# bf16 queries over a bf16 cache: the widening path (0), and avx512_bf16's dot products (1) where the CPU has them
+BF16_PATHS = [0] + ([1] if torch.cpu._is_avx512_bf16_supported() else [])
+PATHS = [(torch.float32, -1)] + [(torch.bfloat16, isa) for isa in BF16_PATHS]
+
+
 @pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("shape", ["gqa", "mha", "mla", "mla_wide", "mla_odd", "gqa_wide"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_equals_float64_reference(seed, shape, dtype):
+@pytest.mark.parametrize("shape", ["gqa", "mha", "mla", "mla_wide", "mla_odd", "gqa_wide", "gqa_tails"])
+@pytest.mark.parametrize(("dtype", "isa"), PATHS)
+def test_kernel_equals_float64_reference(seed, shape, dtype, isa):
     """Wide keys (over the kernel's kWideKey, 128) take the keys-outer loops, four queries x four keys at a time on
-    avx512: DeepSeek's 576-wide latents, odd widths and head counts (tails of every loop), a wide GQA head."""
+    avx512: DeepSeek's 576-wide latents, odd widths and head counts (tails of every loop), a wide GQA head; the bf16
+    dot products' masked tails (channels not a multiple of 32, five queries a KV head: a block of four and one)."""
     rng = np.random.default_rng(seed)
     hq, hkv, dk, dv = {"gqa": (6, 2, 32, 32), "mha": (3, 3, 16, 24), "mla": (8, 1, 72, 64),
-                       "mla_wide": (4, 1, 576, 512), "mla_odd": (5, 1, 200, 136), "gqa_wide": (6, 2, 160, 144)}[shape]
+                       "mla_wide": (4, 1, 576, 512), "mla_odd": (5, 1, 200, 136), "gqa_wide": (6, 2, 160, 144),
+                       "gqa_tails": (10, 2, 40, 56)}[shape]
     rows, positions, table, slots = _layout(rng, int(rng.integers(1, 9)), 300, pcp_like=seed % 2 == 1)
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(slots, hkv, dk, generator=g).to(dtype)
@@ -76,13 +83,43 @@ def test_kernel_equals_float64_reference(seed, shape, dtype):
     out = torch.full((q.shape[0], hq, dv), 7.0, dtype=dtype)  # every row token is written; padding keeps 7
     lse = torch.full((q.shape[0], hq), 7.0)
     scale = dk**-0.5
-    native.paged_attention(q, k, v, table, rows, positions, BLOCK, scale, out, lse)
+    native.paged_attention(q, k, v, table, rows, positions, BLOCK, scale, out, lse, isa)
     want, want_lse = _reference(q, k, v, table, rows, positions, scale)
     real = int((rows[:, 1] + rows[:, 2]).max())
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out[:real].double(), want[:real], rtol=tol, atol=tol)
     torch.testing.assert_close(lse[:real].double(), want_lse[:real], rtol=1e-5, atol=1e-5)
     assert (out[real:] == 7).all() and (lse[real:] == 7).all(), "tokens in no row are not written"
+
+
+@pytest.mark.parametrize(("dtype", "isa"), PATHS)
+def test_a_query_gives_the_same_bits_in_a_decode_row_and_in_a_verification_row(dtype, isa):
+    """Greedy speculation equals no-spec only if a verification row's queries give the bits their decodes would: the
+    last query of rows of 1-6 queries (GQA, 9 query heads over 3 KV heads, one chunk) against that query alone."""
+    g = torch.Generator().manual_seed(3)
+    s = 150
+    k, v = torch.randn(s + 16, 3, 64, generator=g).to(dtype), torch.randn(s + 16, 3, 64, generator=g).to(dtype)
+    table = torch.arange((s + 15) // BLOCK)[None].int()
+    q = torch.randn(6, 9, 64, generator=g).to(dtype)
+    outs = []
+    for n in range(1, 7):
+        rows = torch.tensor([[0, 0, n, s, 0]], dtype=torch.int32)
+        out, lse = torch.zeros(n, 9, 64, dtype=dtype), torch.zeros(n, 9)
+        native.paged_attention(q[6 - n:], k, v, table, rows, torch.arange(s - n, s), BLOCK, 0.125, out, lse, isa)
+        outs.append((out[-1], lse[-1]))
+    for out, lse in outs[1:]:
+        assert torch.equal(out, outs[0][0]) and torch.equal(lse, outs[0][1])
+
+
+def test_an_isa_this_cpu_lacks_is_refused():
+    q = torch.randn(1, 2, 32).bfloat16()
+    args = (q, q, q, torch.zeros(1, 1, dtype=torch.int32), torch.tensor([[0, 0, 1, 1, 0]], dtype=torch.int32),
+            torch.zeros(1, dtype=torch.int64), BLOCK, 1.0, torch.empty_like(q), torch.empty(1, 2))
+    with pytest.raises(RuntimeError, match="isa is -1"):
+        native.paged_attention(*args, isa=2)
+    if not torch.cpu._is_avx512_bf16_supported():
+        with pytest.raises(RuntimeError, match="no avx512_bf16"):
+            native.paged_attention(*args, isa=1)
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -41,7 +41,7 @@ log = logging.getLogger("tandem")
 _SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "elementwise.cpp", "small_gemm.cpp")]
 # headers the sources include: torch's builder re-builds a cached extension when its sources or flags change, not its
 # headers, so their checksum goes into the flags
-_HEADERS = [Path(__file__).with_name("vec16.h")]
+_HEADERS = [Path(__file__).with_name(name) for name in ("vec16.h", "attention_bf16.h")]
 _OPS = ("paged_attention", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary", "argmax_rows", "small_linear",
         "small_linear_isa",
         "moe_experts")
@@ -278,11 +278,12 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: tor
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor,
                     rows: torch.Tensor, positions: torch.Tensor, block_size: int, scale: float, out: torch.Tensor,
-                    lse: torch.Tensor) -> None:
+                    lse: torch.Tensor, isa: int = -1) -> None:
     """q: [T, Hq, Dk]; k: [slots, Hkv, Dk]; v: [slots, Hkv, Dv]; block_table: [B, max_blocks] int32;
     rows: [R, 5] int32 (table row, first token, queries, seq_len, first key position); positions: [T] int64.
-    Writes out [T, Hq, Dv] and lse [T, Hq] (float32) at the rows' query tokens."""
-    torch.ops.tandem_native.paged_attention(q, k, v, block_table, rows, positions, block_size, scale, out, lse)
+    Writes out [T, Hq, Dv] and lse [T, Hq] (float32) at the rows' query tokens. isa, for bfloat16 queries over a
+    bfloat16 cache: 1 the avx512_bf16 dot products, 0 the widening path, -1 the best this CPU has."""
+    torch.ops.tandem_native.paged_attention(q, k, v, block_table, rows, positions, block_size, scale, out, lse, isa)
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -26,6 +26,7 @@
 #include <immintrin.h>
 #endif
 
+#include "attention_bf16.h"
 #include "vec16.h"
 
 namespace {
@@ -35,6 +36,12 @@ constexpr int64_t kMinChunk = 64;   // ... and at least, unless the row has fewe
 constexpr int64_t kPrefetchBytes = 256 << 10;  // a task's keys and values prefetched up front, at most
 constexpr int64_t kWideKey = 128;  // key widths above it score keys-outer (L1 reuse across queries)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+#ifdef __AVX512F__
+const bool kHasBf16Dot = __builtin_cpu_supports("avx512bf16");
+#else
+const bool kHasBf16Dot = false;
+#endif
 
 // A key or value row as float32: the cache row itself for float32, else converted into `buf`.
 template <typename T>
@@ -280,10 +287,92 @@ inline float exp_sum(float* x, int64_t n, float mx) {
 }
 
 // T: the queries' and outputs' dtype (the model's); KV: the cache's (kv_cache_dtype), T itself or narrower
+// A task's queries' outputs (acc / l) and LSEs, when the row is one chunk
+template <typename T>
+void write_task(T* op, float* lp, int64_t t0, int64_t n, int64_t hq, int64_t dv, int64_t o_tok, int64_t o_head,
+                const float* m, const float* l, const float* acc) {
+  for (int64_t h = 0; h < hq; ++h) {
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t j = h * n + i;
+      const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
+      T* o = op + (t0 + i) * o_tok + h * o_head;
+      for (int64_t d = 0; d < dv; ++d) o[d] = static_cast<T>(acc[j * dv + d] * inv);
+      lp[(t0 + i) * hq + h] = l[j] > 0.f ? m[j] + std::log(l[j]) : kNegInf;
+    }
+  }
+}
+
+#ifdef __AVX512F__
+// One task (a row's chunk of `width` keys, slot_of(s) the s-th key's slot) on bf16 queries over a bf16 cache, with
+// attention_bf16.h's loops: each query's max score m, sum of exponentials l and weighted values acc (query head h's
+// query i at h * n + i, as the widening path keeps them). q: the row's first query token.
+template <typename SlotOf>
+void dot_task(const uint16_t* q, int64_t q_tok, int64_t q_head, const uint16_t* kp, const uint16_t* vp,
+              int64_t k_head, int64_t v_head, int64_t k_slot, int64_t v_slot, const SlotOf& slot_of, int64_t width,
+              const int64_t* width_of, int64_t n, int64_t hq, int64_t hkv, int64_t dk, int64_t dv, float scale,
+              int64_t chunk, float* m, float* l, float* acc) {
+  namespace ba = bf16_attention;
+  thread_local std::vector<float> tl_scores;
+  thread_local std::vector<uint16_t> tl_probs;
+  thread_local std::vector<int64_t> tl_koff, tl_voff;
+  const int64_t stride = (chunk + 31) / 32 * 32;  // a query's scores and probabilities, padded for 16-key blocks
+  const int64_t nq = hq * n, r = hq / hkv;
+  if (static_cast<int64_t>(tl_scores.size()) < nq * stride) tl_scores.resize(nq * stride);
+  if (static_cast<int64_t>(tl_probs.size()) < nq * stride) tl_probs.resize(nq * stride);
+  if (static_cast<int64_t>(tl_koff.size()) < chunk) tl_koff.resize(chunk), tl_voff.resize(chunk);
+  float* scores = tl_scores.data();
+  uint16_t* probs = tl_probs.data();
+  int64_t* koff = tl_koff.data();
+  int64_t* voff = tl_voff.data();
+  const int64_t k_bytes = ((hkv - 1) * k_head + dk) * 2, v_bytes = ((hkv - 1) * v_head + dv) * 2;
+  const bool prefetch = width * (k_bytes + v_bytes) <= kPrefetchBytes;
+  for (int64_t s = 0; s < width; ++s) {
+    const int64_t slot = slot_of(s);
+    koff[s] = slot * k_slot;
+    voff[s] = slot * v_slot;
+    if (prefetch) {  // every line of the chunk asked for up front, as the float32 path does
+      const char* kr = reinterpret_cast<const char*>(kp + koff[s]);
+      const char* vr = reinterpret_cast<const char*>(vp + voff[s]);
+      for (int64_t b = 0; b < k_bytes; b += 64) __builtin_prefetch(kr + b);
+      for (int64_t b = 0; b < v_bytes; b += 64) __builtin_prefetch(vr + b);
+    }
+  }
+  for (int64_t g = 0; g < hkv; ++g) {
+    const int64_t j0 = g * r * n, j1 = (g + 1) * r * n;
+    int64_t wg = 0;  // keys any query of the group sees
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t w = width_of[j];
+      wg = std::max(wg, w);
+      if (w == 0) continue;  // no key of this chunk is visible to this query: m, l, acc stay as filled
+      const int64_t h = j / n, i = j % n;
+      float* sj = scores + j * stride;
+      ba::score_keys(q + i * q_tok + h * q_head, kp + g * k_head, koff, w, dk, scale, sj);
+      m[j] = max_of(sj, w);
+      l[j] = exp_sum(sj, w, m[j]);
+    }
+    if (wg == 0) continue;
+    const int64_t padded = (wg + 1) / 2 * 2;  // pairs of keys: a zero probability past each query's width
+    for (int64_t j = j0; j < j1; ++j) ba::to_bf16(scores + j * stride, width_of[j], padded, probs + j * stride);
+    for (int64_t j = j0; j < j1; j += 4) {
+      const int64_t nb = std::min<int64_t>(4, j1 - j);
+      const uint16_t* p[4];
+      float* a[4];
+      int64_t wb = 0;  // keys any query of the four sees (a row's consecutive queries of one head: causal widths)
+      for (int64_t e = 0; e < nb; ++e) {
+        p[e] = probs + (j + e) * stride, a[e] = acc + (j + e) * dv;
+        wb = std::max(wb, width_of[j + e]);
+      }
+      ba::weigh_values_any(nb, p, vp + g * v_head, voff, wb, dv, a);
+    }
+  }
+}
+#endif
+
+// (bfloat16 over a bfloat16 cache: `bf16_dot` runs attention_bf16.h's avx512_bf16 loops)
 template <typename T, typename KV>
 void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& block_table,
          const torch::Tensor& rows, const torch::Tensor& positions, int64_t block_size, double scale,
-         torch::Tensor& out, torch::Tensor& lse) {
+         torch::Tensor& out, torch::Tensor& lse, bool bf16_dot) {
   const int64_t num_rows = rows.size(0);
   const int64_t hq = q.size(1), dk = q.size(2), hkv = k.size(1), dv = v.size(2);
   const int64_t r = hq / hkv;
@@ -355,9 +444,6 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
       int64_t width = 0;  // keys of the chunk that any query sees
       for (int64_t h = 0; h < hq; ++h) {
         for (int64_t i = 0; i < n; ++i) {
-          float* dst = qf + (h * n + i) * dk;
-          const float* src = as_float(qp + (t0 + i) * q_tok + h * q_head, dst, dk);
-          if (src != dst) std::memcpy(dst, src, dk * sizeof(float));
           // causal: query i sees the keys up to its own position
           const int64_t w = std::clamp<int64_t>(std::min<int64_t>(pos[t0 + i] + 1, seq_len) - lo, 0,
                                                 std::max<int64_t>(hi - lo, 0));
@@ -367,16 +453,34 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
       }
       int64_t* koff = grow(tl_koff, chunk);  // each key's slot as an element offset into kbase and into vbase
       int64_t* voff = grow(tl_voff, chunk);
+      auto slot_of = [&](int64_t s) {
+        const int64_t p = lo + s;
+        return static_cast<int64_t>(blocks[p / block_size]) * block_size + p % block_size;
+      };
+#ifdef __AVX512F__
+      if constexpr (std::is_same_v<T, at::BFloat16> && std::is_same_v<KV, at::BFloat16>) {
+        if (bf16_dot) {
+          dot_task(reinterpret_cast<const uint16_t*>(qp) + t0 * q_tok, q_tok, q_head,
+                   reinterpret_cast<const uint16_t*>(kp), reinterpret_cast<const uint16_t*>(vp), k_head, v_head,
+                   k_slot, v_slot, slot_of, width, width_of, n, hq, hkv, dk, dv, fscale, chunk, m, l, acc);
+          if (!split) write_task(op, lp, t0, n, hq, dv, o_tok, o_head, m, l, acc);
+          continue;
+        }
+      }
+#endif
+      for (int64_t h = 0; h < hq; ++h) {
+        for (int64_t i = 0; i < n; ++i) {
+          float* dst = qf + (h * n + i) * dk;
+          const float* src = as_float(qp + (t0 + i) * q_tok + h * q_head, dst, dk);
+          if (src != dst) std::memcpy(dst, src, dk * sizeof(float));
+        }
+      }
       // The chunk's keys and values as float32: a float32 cache read in place; another dtype's (bfloat16, float8) converted
       // once a task into per-thread buffers [width, Hkv, D], so both run the same blocked scoring and weighting
       // (converting a key per (key, head) and scoring it query by query cost bf16 1.6x float32's time a prompt)
       const float* kbase;
       const float* vbase;
       int64_t kh, vh;
-      auto slot_of = [&](int64_t s) {
-        const int64_t p = lo + s;
-        return static_cast<int64_t>(blocks[p / block_size]) * block_size + p % block_size;
-      };
       if constexpr (std::is_same_v<KV, float>) {
         kbase = kp, vbase = vp, kh = k_head, vh = v_head;
         for (int64_t s = 0; s < width; ++s) {
@@ -521,16 +625,7 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
           d += cols;
         }
       }
-      if (split) continue;  // merged below
-      for (int64_t h = 0; h < hq; ++h) {
-        for (int64_t i = 0; i < n; ++i) {
-          const int64_t j = h * n + i;
-          const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
-          T* o = op + (t0 + i) * o_tok + h * o_head;
-          for (int64_t d = 0; d < dv; ++d) o[d] = static_cast<T>(acc[j * dv + d] * inv);
-          lp[(t0 + i) * hq + h] = l[j] > 0.f ? m[j] + std::log(l[j]) : kNegInf;
-        }
-      }
+      if (!split) write_task(op, lp, t0, n, hq, dv, o_tok, o_head, m, l, acc);  // else merged below
     }
   });
   if (parts == 0) return;
@@ -572,16 +667,16 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
 template <typename T>
 void run_cache_dtype(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                      const torch::Tensor& block_table, const torch::Tensor& rows, const torch::Tensor& positions,
-                     int64_t block_size, double scale, torch::Tensor& out, torch::Tensor& lse) {
+                     int64_t block_size, double scale, torch::Tensor& out, torch::Tensor& lse, bool bf16_dot) {
   const auto kv = k.scalar_type();
   if (kv == q.scalar_type()) {
-    run<T, T>(q, k, v, block_table, rows, positions, block_size, scale, out, lse);
+    run<T, T>(q, k, v, block_table, rows, positions, block_size, scale, out, lse, bf16_dot);
   } else if (kv == torch::kFloat8_e4m3fn) {
-    run<T, c10::Float8_e4m3fn>(q, k, v, block_table, rows, positions, block_size, scale, out, lse);
+    run<T, c10::Float8_e4m3fn>(q, k, v, block_table, rows, positions, block_size, scale, out, lse, bf16_dot);
   } else if (kv == torch::kFloat8_e5m2) {
-    run<T, c10::Float8_e5m2>(q, k, v, block_table, rows, positions, block_size, scale, out, lse);
+    run<T, c10::Float8_e5m2>(q, k, v, block_table, rows, positions, block_size, scale, out, lse, bf16_dot);
   } else if (kv == torch::kBFloat16 && !std::is_same_v<T, at::BFloat16>) {
-    run<T, at::BFloat16>(q, k, v, block_table, rows, positions, block_size, scale, out, lse);
+    run<T, at::BFloat16>(q, k, v, block_table, rows, positions, block_size, scale, out, lse, bf16_dot);
   } else {
     TORCH_CHECK(false, "paged_attention: a ", kv, " cache under ", q.scalar_type(), " queries is not served");
   }
@@ -589,13 +684,13 @@ void run_cache_dtype(const torch::Tensor& q, const torch::Tensor& k, const torch
 
 void dispatch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& block_table,
               const torch::Tensor& rows, const torch::Tensor& positions, int64_t block_size, double scale,
-              torch::Tensor& out, torch::Tensor& lse) {
+              torch::Tensor& out, torch::Tensor& lse, bool bf16_dot) {
   if (q.scalar_type() == torch::kFloat32) {
-    run_cache_dtype<float>(q, k, v, block_table, rows, positions, block_size, scale, out, lse);
+    run_cache_dtype<float>(q, k, v, block_table, rows, positions, block_size, scale, out, lse, bf16_dot);
   } else if (q.scalar_type() == torch::kBFloat16) {
-    run_cache_dtype<at::BFloat16>(q, k, v, block_table, rows, positions, block_size, scale, out, lse);
+    run_cache_dtype<at::BFloat16>(q, k, v, block_table, rows, positions, block_size, scale, out, lse, bf16_dot);
   } else if (q.scalar_type() == torch::kFloat16) {
-    run_cache_dtype<at::Half>(q, k, v, block_table, rows, positions, block_size, scale, out, lse);
+    run_cache_dtype<at::Half>(q, k, v, block_table, rows, positions, block_size, scale, out, lse, bf16_dot);
   } else {
     TORCH_CHECK(false, "paged_attention: float32, bfloat16 or float16 queries only");
   }
@@ -607,9 +702,12 @@ void dispatch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tenso
 // block_table: [num_table_rows, max_blocks] int32; rows: [R, 5] int32; positions: [T] int64;
 // out: [T, Hq, Dv] (q's dtype), lse: [T, Hq] float32: written at the rows' query tokens only. k and v may be
 // narrower than q (kv_cache_dtype bfloat16 / fp8): dequantized chunk by chunk, never as a float copy of the prefix.
+// isa (bfloat16 queries over a bfloat16 cache only): 1 the avx512_bf16 loops, 0 the widening path, -1 the best here.
 void paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor block_table,
                      torch::Tensor rows, torch::Tensor positions, int64_t block_size, double scale,
-                     torch::Tensor out, torch::Tensor lse) {
+                     torch::Tensor out, torch::Tensor lse, int64_t isa) {
+  TORCH_CHECK(isa >= -1 && isa <= 1, "paged_attention: isa is -1 (best), 0 (widening) or 1 (avx512_bf16), got ", isa);
+  TORCH_CHECK(isa != 1 || kHasBf16Dot, "paged_attention: this CPU has no avx512_bf16 dot products");
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu(), "paged_attention: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "paged_attention: q, k, v must be 3-D");
   TORCH_CHECK(k.scalar_type() == v.scalar_type() && out.scalar_type() == q.scalar_type(),
@@ -636,11 +734,12 @@ void paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
                     key_start >= 0 && seq_len <= block_table.size(1) * block_size,
                 "paged_attention: row ", i, " is out of range");
   }
-  dispatch(q, k, v, block_table, rows, positions, block_size, scale, out, lse);
+  const bool bf16_dot = isa == 1 || (isa == -1 && kHasBf16Dot);
+  dispatch(q, k, v, block_table, rows, positions, block_size, scale, out, lse, bf16_dot);
 }
 
 TORCH_LIBRARY(tandem_native, m) {
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor block_table, Tensor rows, Tensor positions, "
-        "int block_size, float scale, Tensor(a!) out, Tensor(b!) lse) -> ()");
+        "int block_size, float scale, Tensor(a!) out, Tensor(b!) lse, int isa=-1) -> ()");
   m.impl("paged_attention", torch::kCPU, &paged_attention);
 }

@@ -66,6 +66,14 @@ SMALL_ROWS_BF16 = 4 if torch.cpu._is_avx512_bf16_supported() else 1
 # rows, K <= 3 at batch 1, gives decoding's bits)
 SMALL_MAX_ELEMENTS = 1 << 22
 SMALL_ROWS_BIG = 4
+# bfloat16 on a CPU with AMX: weights packed in AMX's tile layout instead of oneDNN's (native.amx_pack; the same
+# memory), decode batches of up to AMX_MAX_ROWS rows on tandem/native/amx_gemm.cpp, which streams each weight once at
+# the bandwidth where oneDNN's AMX GEMM reads ~19 GB/s; more rows (prompts) on F.linear. Measured (Intel Xeon with
+# AMX, 2 threads, SmolLM2-135M's 120 projections of a decode in turn twice, ~425 MB, cold; ms a sweep, oneDNN packed
+# / AMX kernel): 5 rows 22.6/15.9, 8 20.0/14.8, 16 18.8/13.3, 32 22.7/16.3, 48 22.3/20.7, 64 24.0/23.7, 128
+# 32.2/43.5; one warm [3072, 576] weight, us: F.linear / packed / AMX 197/125/143 at 64 rows, 270/204/294 at 128,
+# 648/620/992 at 512 (prompt rows: F.linear equals the packed GEMM from ~512 rows)
+AMX_MAX_ROWS = 64
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -82,6 +90,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if rows <= limit and weight.is_contiguous() \
             and native.serves_gemm(x, weight):
         return native.small_linear(x.reshape(rows, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
+    if packed is not None and packed.dim() == 4:  # AMX's tile layout (amx_pack): decode batches on the tiles
+        if rows <= AMX_MAX_ROWS and native.serves_gemm(x, weight):
+            return native.amx_linear(x.reshape(rows, x.shape[-1]), packed, bias).view(*x.shape[:-1], weight.shape[0])
+        return F.linear(x, weight, bias)
     if packed is None or compiling:  # the compiler packs (freezing) what it compiles
         return F.linear(x, weight, bias)
     if x.numel() == x.shape[-1] and weight.numel() < ANY_ROWS_ELEMENTS and not _native_bf16(weight.dtype):  # a gemv
@@ -94,11 +106,17 @@ def _native_bf16(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and _CPU_HAS_BF16_DOT
 
 
-def prepack(weight: torch.Tensor) -> torch.Tensor | None:
-    """weight [N, K] -> the same in oneDNN's blocked layout, or None where oneDNN cannot run it here."""
+def prepack(weight: torch.Tensor, amx: bool = False) -> torch.Tensor | None:
+    """weight [N, K] -> the same in oneDNN's blocked layout, or None where oneDNN cannot run it here. amx (the
+    native kernels on): a bfloat16 weight whose shape AMX's tiles take goes into their layout instead, on a CPU with
+    AMX-BF16."""
     min_elements = BF16_PACK_MIN_ELEMENTS if _native_bf16(weight.dtype) else PACK_MIN_ELEMENTS
     if weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES or weight.dim() != 2 \
-            or weight.numel() < min_elements or not torch.backends.mkldnn.is_available():
+            or weight.numel() < min_elements:
+        return None
+    if amx and _amx_fits(weight):
+        return native.amx_pack(weight)
+    if not torch.backends.mkldnn.is_available():
         return None
     if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return None
@@ -108,15 +126,26 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def prepack_linears(model: nn.Module, lm_head_only: bool) -> int:
+def _amx_fits(weight: torch.Tensor) -> bool:
+    """A bfloat16 [N, K] CPU weight AMX's tiles take (N a multiple of 16, K of 32) on a CPU where amx_linear runs."""
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2 \
+        and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0 and native.amx_available()
+
+
+def prepack_linears(model: nn.Module, lm_head_only: bool, amx: bool = False) -> int:
     """Pack the weight of every module that declares `packed_weight` (the linear layers and the LM head), or only
-    the LM head's; returns how many were packed."""
+    the LM head's; returns how many were packed. amx: bfloat16 weights into AMX's layout where the CPU has it
+    (prepack)."""
     from tandem.layers.embedding import ParallelLMHead
 
     count = 0
     for module in model.modules():
-        if not hasattr(module, "packed_weight") or (lm_head_only and not isinstance(module, ParallelLMHead)):
+        if not hasattr(module, "packed_weight"):
             continue
-        module.packed_weight = prepack(module.weight)
+        if lm_head_only and not isinstance(module, ParallelLMHead):
+            # inside compiled pieces inductor's freezing packs for oneDNN; AMX's layout is ours to make
+            if not (amx and _amx_fits(module.weight) and module.weight.numel() >= BF16_PACK_MIN_ELEMENTS):
+                continue
+        module.packed_weight = prepack(module.weight, amx)
         count += module.packed_weight is not None
     return count

@@ -38,13 +38,13 @@ from tandem import envs
 
 log = logging.getLogger("tandem")
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "elementwise.cpp", "small_gemm.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "elementwise.cpp", "small_gemm.cpp",
+                                                          "amx_gemm.cpp")]
 # headers the sources include: torch's builder re-builds a cached extension when its sources or flags change, not its
 # headers, so their checksum goes into the flags
 _HEADERS = [Path(__file__).with_name(name) for name in ("vec16.h", "attention_bf16.h")]
 _OPS = ("paged_attention", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary", "argmax_rows", "small_linear",
-        "small_linear_isa",
-        "moe_experts")
+        "small_linear_isa", "moe_experts", "amx_linear")
 ISA_FLAGS = {"AVX2": ["-mavx2", "-mfma", "-mf16c"],
              "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"]}
 _lock = threading.Lock()
@@ -216,6 +216,10 @@ def _register_fakes() -> None:
     def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return x.new_empty(x.shape[0], weight.shape[0])
 
+    @torch.library.register_fake("tandem_native::amx_linear")
+    def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return x.new_empty(x.shape[0], packed.shape[0] * 16)
+
 
 def serves(x: torch.Tensor, *params: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,),
            in_compiled: bool = False) -> bool:
@@ -290,6 +294,24 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """x: [M, K] float32 (K contiguous), M <= 16; weight: [N, K] contiguous; bias: [N] or None -> a new [M, N],
     each output one dot product summed in a fixed order whatever M (small_gemm.cpp)."""
     return torch.ops.tandem_native.small_linear(x, weight, bias)
+
+
+def amx_available() -> bool:
+    """Whether amx_linear runs here: the kernels are built, the CPU has AMX-BF16 and the OS granted its state."""
+    return _load() and bool(torch.ops.tandem_native.amx_available())
+
+
+def amx_pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] bf16, N % 16 == 0, K % 32 == 0 -> [N / 16, K / 2, 16, 2]: each 16 columns' weights of a K pair
+    side by side, AMX's B-tile layout (amx_gemm.cpp)."""
+    n, k = weight.shape
+    return weight.detach().reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x: [M, K] bf16 (K contiguous); packed: amx_pack(weight); bias: [N] or None -> a new [M, N] bf16, float32
+    sums rounded once (amx_gemm.cpp)."""
+    return torch.ops.tandem_native.amx_linear(x, packed, bias)
 
 
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,

@@ -65,8 +65,6 @@ class ModelRunner:
         self.num_padding_tokens = 0  # padding tokens run so far (tests read it)
         self.warmed_up_sizes: list[int] = []
         self.proposer: Proposer = build_proposer(config, self.model, self.draft_mode, self.backends)
-        # oneDNN-packed weights on the CPU; compiled pieces get theirs from inductor's freezing
-        prepack_linears(self.model, lm_head_only=self.compilation.compiles)
         # the model the native kernels serve in this runner's steps; which dtypes they serve depends on MLA
         # (tandem/native/__init__.py)
         self.native = native.Serving(config.model_config.dtype,
@@ -76,6 +74,9 @@ class ModelRunner:
         if torch.device(self.device).type == "cpu":
             with native.serving(self.native):
                 native.enabled()  # a first build (about a minute) happens while the engine starts, not in a generate
+        # oneDNN-packed weights on the CPU (AMX's layout for bf16 where it runs); compiled pieces get theirs from
+        # inductor's freezing
+        prepack_linears(self.model, lm_head_only=self.compilation.compiles, amx=self.compilation.native_kernels)
         compile_model(self.model, self.compilation)
         # distributions the last proposal's drafts were sampled from, per request (probabilistic drafting)
         self.draft_probs: dict[str, torch.Tensor] = {}

@@ -38,7 +38,8 @@ def build_proposer(config: EngineConfig, target: nn.Module, draft_mode: DraftMod
         head_dtype = spec.drafter_dtype(model.dtype)
         head = load_eagle3_head(spec.model, model, target.model.embed_tokens, config.device, head_dtype)
         # oneDNN-packed weights as the target's (its LM head is most of a draft pass's bytes)
-        prepack_linears(head, lm_head_only=config.compilation_config.compiles)
+        prepack_linears(head, lm_head_only=config.compilation_config.compiles,
+                        amx=config.compilation_config.native_kernels)
         compile_drafter(head, "EAGLE-3 head", config.compilation_config)
         return Eagle3Proposer(head, target, {attention_kind(model.architecture): draft_mode.backend}, block_size,
                               model.max_model_len, probabilistic, sharded=draft_mode.mode == "sharded",

@@ -2,20 +2,28 @@
 measurements behind PACK_MIN_ELEMENTS and ANY_ROWS_ELEMENTS.
 
     python benchmarks/cpu_gemm.py [--threads 2] [--dtype float32] [--rows 1 2 4 8 16 32 128]
+    python benchmarks/cpu_gemm.py --amx-sweep [--rows 5 8 16 32 48 64 128]
 
 Prints one line per [N, K] weight (the bundled model's and SmolLM2-135M's projections by default): microseconds
 per call, F.linear / packed, best of 3 rounds, one process, nothing else running.
+
+--amx-sweep (a CPU with AMX-BF16): oneDNN's packed bf16 GEMM against tandem's AMX kernel (tandem/native/amx_gemm.cpp)
+over a whole decode's projections twice (SmolLM2-135M's qkv, o, gate_up and down of 60 layers in turn, ~425 MB, past
+a 300 MiB L3, so cold as a decode's), the two alternating, median of 7: one line per row count, ms a sweep and GB/s
+(the measurements behind AMX_MAX_ROWS).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from tandem import native
 from tandem.layers.cpu_gemm import DECODE_ROWS_HINT
 
 SHAPES = [(128, 256), (576, 256), (256, 256), (1024, 256), (2048, 256),  # bundled DeepSeek-V3-shaped model
@@ -34,13 +42,45 @@ def best_us(fn: Callable[[], torch.Tensor], calls: int) -> float:
     return best
 
 
+def amx_sweep(row_counts: list[int]) -> None:
+    if not native.amx_available():
+        raise SystemExit("--amx-sweep: this CPU has no AMX-BF16 (or the native kernels are not built)")
+    shapes = SHAPES[5:9]  # SmolLM2-135M's qkv, o, gate_up, down
+    weights = [(torch.randn(n, k) * k**-0.5).bfloat16() for _ in range(60) for n, k in shapes]
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, DECODE_ROWS_HINT) for w in weights]
+    amx = [native.amx_pack(w) for w in weights]
+    gb = sum(w.numel() * 2 for w in weights) / 1e9
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, bfloat16, {gb * 1e3:.0f} MB of weights")
+    with torch.inference_mode():
+        for rows in row_counts:
+            xs = {k: torch.randn(rows, k).bfloat16() for _, k in shapes}
+            calls = {"oneDNN": lambda w, p, v, xs=xs: torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None,
+                                                                                        "none", [], ""),
+                     "AMX kernel": lambda w, p, v, xs=xs: native.amx_linear(xs[w.shape[1]], v, None)}
+            times: dict[str, list[float]] = {name: [] for name in calls}
+            for r in range(7):
+                for name in list(calls)[:: 1 if r % 2 == 0 else -1]:
+                    start = time.perf_counter()
+                    for w, p, v in zip(weights, onednn, amx, strict=True):
+                        calls[name](w, p, v)
+                    times[name].append(time.perf_counter() - start)
+            cells = [f"{name} {statistics.median(t) * 1e3:.2f} ms ({gb / statistics.median(t):.1f} GB/s)"
+                     for name, t in times.items()]
+            print(f"{rows} rows: " + ", ".join(cells), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 128])
+    parser.add_argument("--rows", type=int, nargs="+", default=None)
+    parser.add_argument("--amx-sweep", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.amx_sweep:
+        amx_sweep(args.rows or [5, 8, 16, 32, 48, 64, 128])
+        return
+    args.rows = args.rows or [1, 2, 4, 8, 16, 32, 128]
     dtype = getattr(torch, args.dtype)
     print(f"torch {torch.__version__}, {args.threads} threads, {args.dtype}; us per call, F.linear / packed")
     with torch.inference_mode():

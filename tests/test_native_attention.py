@@ -19,7 +19,7 @@ BLOCK = 16
 pytestmark = pytest.mark.usefixtures("native_kernels")
 
 
-def _layout(rng: np.random.Generator, num_rows: int, max_keys: int, pcp_like: bool):
+def _layout(rng: np.random.Generator, num_rows: int, max_keys: int, pcp_like: bool, max_queries: int = 16):
     """-> (rows [R, 5] int32, positions [T] int64, block table [R, max_blocks] int32, number of slots)."""
     rows, positions, t = [], [], 0
     seq_lens = rng.integers(1, max_keys + 1, size=num_rows)
@@ -27,7 +27,7 @@ def _layout(rng: np.random.Generator, num_rows: int, max_keys: int, pcp_like: bo
     pool = num_rows * width + 4
     table = rng.permutation(pool)[: num_rows * width].reshape(num_rows, width).astype(np.int32)
     for i, s in enumerate(seq_lens.tolist()):
-        n = int(rng.integers(1, min(16, s) + 1))
+        n = int(rng.integers(1, min(max_queries, s) + 1))
         key_start = BLOCK * int(rng.integers(0, (s - n) // BLOCK + 1)) if rng.random() < 0.3 else 0
         pos = np.arange(s - n, s)
         if pcp_like and n > 2:  # a rank's piece of a row: some positions only, the last one not always included
@@ -59,8 +59,9 @@ def _reference(q, k, v, table, rows, positions, scale):
     return out, lse
 
 
-# bf16 queries over a bf16 cache: the widening path (0), and avx512_bf16's dot products (1) where the CPU has them
-BF16_PATHS = [0] + ([1] if torch.cpu._is_avx512_bf16_supported() else [])
+# bf16 queries over a bf16 cache: the widening path (0), avx512_bf16's dot products (1) where the CPU has them, and
+# those with AMX tiles for rows of 33 queries or more (2) where it has AMX
+BF16_PATHS = [0] + ([1] if torch.cpu._is_avx512_bf16_supported() else []) + ([2] if native.amx_available() else [])
 PATHS = [(torch.float32, -1)] + [(torch.bfloat16, isa) for isa in BF16_PATHS]
 
 
@@ -92,20 +93,47 @@ def test_kernel_equals_float64_reference(seed, shape, dtype, isa):
     assert (out[real:] == 7).all() and (lse[real:] == 7).all(), "tokens in no row are not written"
 
 
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("shape", ["gqa", "smollm2", "tails", "mla_wide"])
+@pytest.mark.parametrize(("dtype", "isa"), PATHS)
+def test_prompt_rows_equal_float64_reference(seed, shape, dtype, isa):
+    """Rows of up to 100 queries (prompt rows, chunked prefill; AMX tiles from 33 queries where the CPU has them),
+    some behind a shared prefix or with skipping positions, split into key chunks or not."""
+    rng = np.random.default_rng(100 + seed)
+    hq, hkv, dk, dv = {"gqa": (6, 2, 32, 32), "smollm2": (9, 3, 64, 64), "tails": (10, 2, 40, 56),
+                       "mla_wide": (4, 1, 576, 512)}[shape]
+    rows, positions, table, slots = _layout(rng, int(rng.integers(1, 5)), 300, pcp_like=seed % 2 == 1,
+                                            max_queries=100)
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(slots, hkv, dk, generator=g).to(dtype)
+    v = torch.randn(slots, hkv, dv, generator=g).to(dtype)
+    q = torch.randn(positions.shape[0], hq, dk, generator=g).to(dtype)
+    out = torch.full((q.shape[0], hq, dv), 7.0, dtype=dtype)
+    lse = torch.full((q.shape[0], hq), 7.0)
+    native.paged_attention(q, k, v, table, rows, positions, BLOCK, dk**-0.5, out, lse, isa)
+    want, want_lse = _reference(q, k, v, table, rows, positions, dk**-0.5)
+    real = int((rows[:, 1] + rows[:, 2]).max())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[:real].double(), want[:real], rtol=tol, atol=tol)
+    torch.testing.assert_close(lse[:real].double(), want_lse[:real], rtol=1e-5, atol=1e-5)
+    assert (out[real:] == 7).all() and (lse[real:] == 7).all(), "tokens in no row are not written"
+
+
 @pytest.mark.parametrize(("dtype", "isa"), PATHS)
 def test_a_query_gives_the_same_bits_in_a_decode_row_and_in_a_verification_row(dtype, isa):
     """Greedy speculation equals no-spec only if a verification row's queries give the bits their decodes would: the
-    last query of rows of 1-6 queries (GQA, 9 query heads over 3 KV heads, one chunk) against that query alone."""
+    last query of rows of 1-6 and 32 queries (GQA, 9 query heads over 3 KV heads, one chunk) against that query
+    alone."""
     g = torch.Generator().manual_seed(3)
     s = 150
     k, v = torch.randn(s + 16, 3, 64, generator=g).to(dtype), torch.randn(s + 16, 3, 64, generator=g).to(dtype)
     table = torch.arange((s + 15) // BLOCK)[None].int()
-    q = torch.randn(6, 9, 64, generator=g).to(dtype)
+    q = torch.randn(32, 9, 64, generator=g).to(dtype)
     outs = []
-    for n in range(1, 7):
+    for n in (*range(1, 7), 32):
         rows = torch.tensor([[0, 0, n, s, 0]], dtype=torch.int32)
         out, lse = torch.zeros(n, 9, 64, dtype=dtype), torch.zeros(n, 9)
-        native.paged_attention(q[6 - n:], k, v, table, rows, torch.arange(s - n, s), BLOCK, 0.125, out, lse, isa)
+        native.paged_attention(q[32 - n:], k, v, table, rows, torch.arange(s - n, s), BLOCK, 0.125, out, lse, isa)
         outs.append((out[-1], lse[-1]))
     for out, lse in outs[1:]:
         assert torch.equal(out, outs[0][0]) and torch.equal(lse, outs[0][1])
@@ -116,10 +144,13 @@ def test_an_isa_this_cpu_lacks_is_refused():
     args = (q, q, q, torch.zeros(1, 1, dtype=torch.int32), torch.tensor([[0, 0, 1, 1, 0]], dtype=torch.int32),
             torch.zeros(1, dtype=torch.int64), BLOCK, 1.0, torch.empty_like(q), torch.empty(1, 2))
     with pytest.raises(RuntimeError, match="isa is -1"):
-        native.paged_attention(*args, isa=2)
+        native.paged_attention(*args, isa=3)
     if not torch.cpu._is_avx512_bf16_supported():
         with pytest.raises(RuntimeError, match="no avx512_bf16"):
             native.paged_attention(*args, isa=1)
+    elif not native.amx_available():
+        with pytest.raises(RuntimeError, match="no AMX-BF16"):
+            native.paged_attention(*args, isa=2)
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -42,7 +42,8 @@ _SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "
                                                           "amx_gemm.cpp")]
 # headers the sources include: torch's builder re-builds a cached extension when its sources or flags change, not its
 # headers, so their checksum goes into the flags
-_HEADERS = [Path(__file__).with_name(name) for name in ("vec16.h", "attention_bf16.h")]
+_HEADERS = [Path(__file__).with_name(name)
+            for name in ("vec16.h", "attention_bf16.h", "attention_amx.h", "amx_tiles.h")]
 _OPS = ("paged_attention", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary", "argmax_rows", "small_linear",
         "small_linear_isa", "moe_experts", "amx_linear")
 ISA_FLAGS = {"AVX2": ["-mavx2", "-mfma", "-mf16c"],
@@ -286,7 +287,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_tab
     """q: [T, Hq, Dk]; k: [slots, Hkv, Dk]; v: [slots, Hkv, Dv]; block_table: [B, max_blocks] int32;
     rows: [R, 5] int32 (table row, first token, queries, seq_len, first key position); positions: [T] int64.
     Writes out [T, Hq, Dv] and lse [T, Hq] (float32) at the rows' query tokens. isa, for bfloat16 queries over a
-    bfloat16 cache: 1 the avx512_bf16 dot products, 0 the widening path, -1 the best this CPU has."""
+    bfloat16 cache: 1 the avx512_bf16 dot products, 2 those and AMX tiles for rows of 33 queries or more, 0 the
+    widening path, -1 the best this CPU has."""
     torch.ops.tandem_native.paged_attention(q, k, v, block_table, rows, positions, block_size, scale, out, lse, isa)
 
 

@@ -27,25 +27,17 @@
 #include <cstring>
 #include <vector>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+#include "amx_tiles.h"
 
 namespace {
 
 #ifdef __AVX512F__
-constexpr int64_t kTile = 16;
+using amx::kTile;  // rows of an A / C tile, columns of a B / C tile, K pairs of a B tile
+
 // how far ahead of the tiles' loads a pass asks for the weight (prefetcht2): measured over SmolLM2's 120
 // projections at 32 rows (the sweep in amx_gemm's docs), ms: none 18.5, 16 KiB 14.8-15.6, 64 KiB 13.6-13.8, 256 KiB
 // 14.5-15.6 (prefetcht0 at the same distances 15.3-18.9)
-constexpr int64_t kAhead = 64 << 10;  // rows of an A / C tile, columns of a B / C tile, K pairs of a B tile
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};  // bytes a row
-  uint8_t rows[16] = {};
-};
+constexpr int64_t kAhead = 64 << 10;
 
 bool request_amx() {
   unsigned a, b, c, d;
@@ -56,17 +48,7 @@ bool request_amx() {
   return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
 }
 
-// tiles 0-3: C (A row tile a, B column tile b at 2a + b); 4, 5: A; 6, 7: B
-__attribute__((target("amx-tile,amx-bf16"))) void configure() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = kTile;
-    cfg.colsb[t] = 64;
-  }
-  asm volatile("" : : "r"(&cfg) : "memory");  // GCC 12 drops the stores above: ldtilecfg's read is not modelled
-  _tile_loadconfig(&cfg);
-}
-
+// tiles 0-3: C (A row tile a, B column tile b at 2a + b); 4, 5: A; 6, 7: B.
 // out[m, n0 .. n0 + 32 * nb) for the 32 rows of xs (padded, row stride k) over the packed weight's column blocks
 // nb0 .. nb0 + nb (of 32 columns): C tiles stored to `acc` [32, 32] float32, then rounded
 template <bool kTwoRows, bool kTwoCols>
@@ -98,8 +80,6 @@ __attribute__((target("amx-tile,amx-bf16"))) void pass(const uint16_t* xs, const
   if (kTwoRows && kTwoCols) _tile_stored(3, acc + kTile * 32 + kTile, 128);
 }
 
-__attribute__((target("amx-tile,amx-bf16"))) void release() { _tile_release(); }
-
 // out[0, cols) = bf16(acc + bias), cols 16 or 32, rounded to nearest even (AMX CPUs have avx512_bf16)
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 void round_row(const float* acc, const uint16_t* bias, int64_t cols, uint16_t* out) {
@@ -115,6 +95,8 @@ void round_row(const float* acc, const uint16_t* bias, int64_t cols, uint16_t* o
 }
 #endif
 
+}  // namespace
+
 bool amx_ready() {
 #ifdef __AVX512F__
   static const bool ready = request_amx();
@@ -123,8 +105,6 @@ bool amx_ready() {
   return false;
 #endif
 }
-
-}  // namespace
 
 bool amx_available() { return amx_ready(); }
 
@@ -157,7 +137,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   const int64_t col_blocks = (n + 31) / 32;  // of 32 columns; the last may hold 16
   at::parallel_for(0, col_blocks, 1, [&](int64_t begin, int64_t end) {
-    configure();
+    amx::configure();
     alignas(64) float acc[32 * 32];
     for (int64_t cb = begin; cb < end; ++cb) {
       const int64_t n0 = cb * 32, cols = std::min<int64_t>(32, n - n0);
@@ -176,7 +156,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
                                                       op + (g * 32 + r) * n + n0);
       }
     }
-    release();
+    amx::release();
   });
 #endif
   return out;

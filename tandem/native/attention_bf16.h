@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #define TANDEM_BF16_DOT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
@@ -73,6 +74,44 @@ TANDEM_BF16_DOT inline void score_keys(const uint16_t* q, const uint16_t* base, 
     }
     _mm512_storeu_ps(scores + s, _mm512_mul_ps(sum16(acc), vscale));
   }
+}
+
+// max(x[0, n)), n >= 1: whole vectors and one masked tail (the compiler's vectorized loops finish a row of a few dozen
+// scores with up to 15 scalar steps, most of a short row's softmax)
+TANDEM_BF16_DOT inline float max_of(const float* x, int64_t n) {
+  __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = static_cast<__mmask16>(n - i >= 16 ? 0xFFFF : (1u << (n - i)) - 1);
+    mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, m, x + i));
+  }
+  return _mm512_reduce_max_ps(mx);
+}
+
+// x[i] <- 2^((x[i] - mx) * factor) for x[i] <= mx, i in [0, n); returns their sum. factor: log2(e) times the scores'
+// scale. The polynomial of paged_attention.cpp's exp_sum (2^f by Cephes' exp2f, f in [-1/2, 1/2]), 16 lanes a step
+// with a masked tail.
+TANDEM_BF16_DOT inline float exp_sum(float* x, int64_t n, float mx, float factor) {
+  const __m512 vmx = _mm512_set1_ps(mx), vfactor = _mm512_set1_ps(factor), floor = _mm512_set1_ps(-126.f);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = static_cast<__mmask16>(n - i >= 16 ? 0xFFFF : (1u << (n - i)) - 1);
+    const __m512 y = _mm512_max_ps(_mm512_mul_ps(_mm512_sub_ps(_mm512_mask_loadu_ps(vmx, m, x + i), vmx), vfactor),
+                                   floor);
+    const __m512 k = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(y, k);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+    const __m512 e = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+    _mm512_mask_storeu_ps(x + i, m, e);
+    sum = _mm512_mask_add_ps(sum, m, sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
 }
 
 // p[0, w) as bf16 (round to nearest even), zeros from w up to `to`

@@ -26,6 +26,7 @@
 #include <immintrin.h>
 #endif
 
+#include "attention_amx.h"
 #include "attention_bf16.h"
 #include "vec16.h"
 
@@ -36,6 +37,10 @@ constexpr int64_t kMinChunk = 64;   // ... and at least, unless the row has fewe
 constexpr int64_t kPrefetchBytes = 256 << 10;  // a task's keys and values prefetched up front, at most
 constexpr int64_t kWideKey = 128;  // key widths above it score keys-outer (L1 reuse across queries)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// rows of at least this many queries (prompt rows) run on AMX tiles where isa is 2: past any verification row of
+// K <= 31 drafts, whose queries must give their decodes' bits (the dot-product path's)
+constexpr int64_t kAmxMinQueries = 33;
+constexpr float kLog2e = 1.44269504088896341f;
 
 #ifdef __AVX512F__
 const bool kHasBf16Dot = __builtin_cpu_supports("avx512bf16");
@@ -347,8 +352,8 @@ void dot_task(const uint16_t* q, int64_t q_tok, int64_t q_head, const uint16_t* 
       const int64_t h = j / n, i = j % n;
       float* sj = scores + j * stride;
       ba::score_keys(q + i * q_tok + h * q_head, kp + g * k_head, koff, w, dk, scale, sj);
-      m[j] = max_of(sj, w);
-      l[j] = exp_sum(sj, w, m[j]);
+      m[j] = ba::max_of(sj, w);
+      l[j] = ba::exp_sum(sj, w, m[j], kLog2e);
     }
     if (wg == 0) continue;
     const int64_t padded = (wg + 1) / 2 * 2;  // pairs of keys: a zero probability past each query's width
@@ -368,13 +373,98 @@ void dot_task(const uint16_t* q, int64_t q_tok, int64_t q_head, const uint16_t* 
 }
 #endif
 
-// (bfloat16 over a bfloat16 cache: `bf16_dot` runs attention_bf16.h's avx512_bf16 loops)
+#ifdef __AVX512F__
+// dot_task for a row of kAmxMinQueries or more queries on AMX tiles (attention_amx.h): the group's keys and values laid out as
+// B tiles once, each query head's queries 16 at a time against them. Same outputs (m, l, acc) as dot_task.
+template <typename SlotOf>
+void amx_task(const uint16_t* q, int64_t q_tok, int64_t q_head, const uint16_t* kp, const uint16_t* vp,
+              int64_t k_head, int64_t v_head, int64_t k_slot, int64_t v_slot, const SlotOf& slot_of, int64_t width,
+              const int64_t* width_of, int64_t n, int64_t hq, int64_t hkv, int64_t dk, int64_t dv, float scale,
+              float* m, float* l, float* acc) {
+  namespace ma = amx_attention;
+  amx::configure();
+  const int64_t r = hq / hkv, dkp = (dk + 31) / 32 * 32, key_blocks = (width + 15) / 16;
+  const int64_t value_blocks = (width + 31) / 32, chunks = (dv + 15) / 16, stride = value_blocks * 32;
+  thread_local std::vector<int64_t> tl_koff, tl_voff;
+  thread_local std::vector<uint32_t> tl_keys;
+  thread_local std::vector<uint16_t> tl_values, tl_q, tl_probs;
+  thread_local std::vector<float> tl_scores, tl_out;
+  auto grow = [](auto& vec, int64_t size) {
+    if (static_cast<int64_t>(vec.size()) < size) vec.resize(size);
+    return vec.data();
+  };
+  int64_t* koff = grow(tl_koff, width);
+  int64_t* voff = grow(tl_voff, width);
+  uint32_t* keys = grow(tl_keys, key_blocks * (dkp / 32) * 256);
+  uint16_t* values = grow(tl_values, value_blocks * chunks * 512);
+  uint16_t* qbuf = grow(tl_q, 16 * dkp);
+  uint16_t* probs = grow(tl_probs, 16 * stride);
+  float* scores = grow(tl_scores, 16 * stride);
+  float* obuf = grow(tl_out, 16 * 64);
+  for (int64_t s = 0; s < width; ++s) {
+    const int64_t slot = slot_of(s);
+    koff[s] = slot * k_slot;
+    voff[s] = slot * v_slot;
+  }
+  for (int64_t g = 0; g < hkv; ++g) {
+    for (int64_t b = 0; b < key_blocks; ++b) {
+      ma::keys_as_b(kp + g * k_head, koff + b * 16, std::min<int64_t>(16, width - b * 16), dk,
+                    keys + b * (dkp / 32) * 256);
+    }
+    for (int64_t b = 0; b < value_blocks; ++b) {
+      ma::values_as_b(vp + g * v_head, voff + b * 32, std::min<int64_t>(32, width - b * 32), dv,
+                      values + b * chunks * 512);
+    }
+    for (int64_t h = g * r; h < (g + 1) * r; ++h) {
+      for (int64_t i0 = 0; i0 < n; i0 += 16) {
+        const int64_t rows = std::min<int64_t>(16, n - i0);
+        std::memset(qbuf, 0, 16 * dkp * sizeof(uint16_t));
+        int64_t wq = 0;  // keys any of the 16 queries sees
+        for (int64_t i = 0; i < rows; ++i) {
+          std::memcpy(qbuf + i * dkp, q + (i0 + i) * q_tok + h * q_head, dk * sizeof(uint16_t));
+          wq = std::max(wq, width_of[h * n + i0 + i]);
+        }
+        if (wq == 0) continue;  // m, l, acc stay as filled
+        for (int64_t b = 0; b < (wq + 15) / 16; ++b) {
+          ma::score_block(qbuf, dkp, keys + b * (dkp / 32) * 256, scores + b * 16, stride * sizeof(float));
+        }
+        const int64_t padded = (wq + 31) / 32 * 32;
+        for (int64_t i = 0; i < 16; ++i) {
+          const int64_t w = i < rows ? width_of[h * n + i0 + i] : 0;
+          float* si = scores + i * stride;
+          if (w > 0) {  // unscaled scores: the scale goes into the exponent
+            const int64_t j = h * n + i0 + i;
+            const float mx = bf16_attention::max_of(si, w);
+            m[j] = mx * scale;
+            l[j] = bf16_attention::exp_sum(si, w, mx, scale * kLog2e);
+          }
+          bf16_attention::to_bf16(si, w, padded, probs + i * stride);
+        }
+        for (int64_t t0 = 0; t0 < chunks; t0 += 4) {
+          const int64_t nt = std::min<int64_t>(4, chunks - t0);
+          ma::weigh_block(probs, stride, values, padded / 32, chunks, t0, nt, obuf, 64 * sizeof(float));
+          const int64_t d0 = t0 * 16, cols = std::min<int64_t>(nt * 16, dv - d0);
+          for (int64_t i = 0; i < rows; ++i) {
+            const int64_t j = h * n + i0 + i;
+            if (width_of[j] > 0) std::memcpy(acc + j * dv + d0, obuf + i * 64, cols * sizeof(float));
+          }
+        }
+      }
+    }
+  }
+  amx::release();
+}
+#endif
+
+// isa (bfloat16 over a bfloat16 cache): 1 runs attention_bf16.h's avx512_bf16 loops, 2 also attention_amx.h's
+// tiles for rows of kAmxMinQueries or more, 0 the widening path
 template <typename T, typename KV>
 void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& block_table,
          const torch::Tensor& rows, const torch::Tensor& positions, int64_t block_size, double scale,
-         torch::Tensor& out, torch::Tensor& lse, bool bf16_dot) {
+         torch::Tensor& out, torch::Tensor& lse, int64_t isa) {
   const int64_t num_rows = rows.size(0);
   const int64_t hq = q.size(1), dk = q.size(2), hkv = k.size(1), dv = v.size(2);
+  const bool bf16_dot = isa >= 1, amx_rows = isa == 2;
   const int64_t r = hq / hkv;
   const int32_t* rw = rows.data_ptr<int32_t>();
   const int32_t* table = block_table.data_ptr<int32_t>();
@@ -459,6 +549,13 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
       };
 #ifdef __AVX512F__
       if constexpr (std::is_same_v<T, at::BFloat16> && std::is_same_v<KV, at::BFloat16>) {
+        if (bf16_dot && amx_rows && n >= kAmxMinQueries) {
+          amx_task(reinterpret_cast<const uint16_t*>(qp) + t0 * q_tok, q_tok, q_head,
+                   reinterpret_cast<const uint16_t*>(kp), reinterpret_cast<const uint16_t*>(vp), k_head, v_head,
+                   k_slot, v_slot, slot_of, width, width_of, n, hq, hkv, dk, dv, fscale, m, l, acc);
+          if (!split) write_task(op, lp, t0, n, hq, dv, o_tok, o_head, m, l, acc);
+          continue;
+        }
         if (bf16_dot) {
           dot_task(reinterpret_cast<const uint16_t*>(qp) + t0 * q_tok, q_tok, q_head,
                    reinterpret_cast<const uint16_t*>(kp), reinterpret_cast<const uint16_t*>(vp), k_head, v_head,
@@ -667,16 +764,16 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
 template <typename T>
 void run_cache_dtype(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                      const torch::Tensor& block_table, const torch::Tensor& rows, const torch::Tensor& positions,
-                     int64_t block_size, double scale, torch::Tensor& out, torch::Tensor& lse, bool bf16_dot) {
+                     int64_t block_size, double scale, torch::Tensor& out, torch::Tensor& lse, int64_t isa) {
   const auto kv = k.scalar_type();
   if (kv == q.scalar_type()) {
-    run<T, T>(q, k, v, block_table, rows, positions, block_size, scale, out, lse, bf16_dot);
+    run<T, T>(q, k, v, block_table, rows, positions, block_size, scale, out, lse, isa);
   } else if (kv == torch::kFloat8_e4m3fn) {
-    run<T, c10::Float8_e4m3fn>(q, k, v, block_table, rows, positions, block_size, scale, out, lse, bf16_dot);
+    run<T, c10::Float8_e4m3fn>(q, k, v, block_table, rows, positions, block_size, scale, out, lse, isa);
   } else if (kv == torch::kFloat8_e5m2) {
-    run<T, c10::Float8_e5m2>(q, k, v, block_table, rows, positions, block_size, scale, out, lse, bf16_dot);
+    run<T, c10::Float8_e5m2>(q, k, v, block_table, rows, positions, block_size, scale, out, lse, isa);
   } else if (kv == torch::kBFloat16 && !std::is_same_v<T, at::BFloat16>) {
-    run<T, at::BFloat16>(q, k, v, block_table, rows, positions, block_size, scale, out, lse, bf16_dot);
+    run<T, at::BFloat16>(q, k, v, block_table, rows, positions, block_size, scale, out, lse, isa);
   } else {
     TORCH_CHECK(false, "paged_attention: a ", kv, " cache under ", q.scalar_type(), " queries is not served");
   }
@@ -684,13 +781,13 @@ void run_cache_dtype(const torch::Tensor& q, const torch::Tensor& k, const torch
 
 void dispatch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& block_table,
               const torch::Tensor& rows, const torch::Tensor& positions, int64_t block_size, double scale,
-              torch::Tensor& out, torch::Tensor& lse, bool bf16_dot) {
+              torch::Tensor& out, torch::Tensor& lse, int64_t isa) {
   if (q.scalar_type() == torch::kFloat32) {
-    run_cache_dtype<float>(q, k, v, block_table, rows, positions, block_size, scale, out, lse, bf16_dot);
+    run_cache_dtype<float>(q, k, v, block_table, rows, positions, block_size, scale, out, lse, isa);
   } else if (q.scalar_type() == torch::kBFloat16) {
-    run_cache_dtype<at::BFloat16>(q, k, v, block_table, rows, positions, block_size, scale, out, lse, bf16_dot);
+    run_cache_dtype<at::BFloat16>(q, k, v, block_table, rows, positions, block_size, scale, out, lse, isa);
   } else if (q.scalar_type() == torch::kFloat16) {
-    run_cache_dtype<at::Half>(q, k, v, block_table, rows, positions, block_size, scale, out, lse, bf16_dot);
+    run_cache_dtype<at::Half>(q, k, v, block_table, rows, positions, block_size, scale, out, lse, isa);
   } else {
     TORCH_CHECK(false, "paged_attention: float32, bfloat16 or float16 queries only");
   }
@@ -702,12 +799,15 @@ void dispatch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tenso
 // block_table: [num_table_rows, max_blocks] int32; rows: [R, 5] int32; positions: [T] int64;
 // out: [T, Hq, Dv] (q's dtype), lse: [T, Hq] float32: written at the rows' query tokens only. k and v may be
 // narrower than q (kv_cache_dtype bfloat16 / fp8): dequantized chunk by chunk, never as a float copy of the prefix.
-// isa (bfloat16 queries over a bfloat16 cache only): 1 the avx512_bf16 loops, 0 the widening path, -1 the best here.
+// isa (bfloat16 queries over a bfloat16 cache only): 1 the avx512_bf16 loops, 2 those and AMX tiles for rows of
+// 33 queries or more (prompt rows), 0 the widening path, -1 the best here.
 void paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor block_table,
                      torch::Tensor rows, torch::Tensor positions, int64_t block_size, double scale,
                      torch::Tensor out, torch::Tensor lse, int64_t isa) {
-  TORCH_CHECK(isa >= -1 && isa <= 1, "paged_attention: isa is -1 (best), 0 (widening) or 1 (avx512_bf16), got ", isa);
-  TORCH_CHECK(isa != 1 || kHasBf16Dot, "paged_attention: this CPU has no avx512_bf16 dot products");
+  TORCH_CHECK(isa >= -1 && isa <= 2,
+              "paged_attention: isa is -1 (best), 0 (widening), 1 (avx512_bf16) or 2 (avx512_bf16 and AMX), got ", isa);
+  TORCH_CHECK(isa < 1 || kHasBf16Dot, "paged_attention: this CPU has no avx512_bf16 dot products");
+  TORCH_CHECK(isa != 2 || amx_ready(), "paged_attention: this CPU has no AMX-BF16 (or the OS refused its state)");
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu(), "paged_attention: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "paged_attention: q, k, v must be 3-D");
   TORCH_CHECK(k.scalar_type() == v.scalar_type() && out.scalar_type() == q.scalar_type(),
@@ -735,7 +835,7 @@ void paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
                 "paged_attention: row ", i, " is out of range");
   }
   const bool bf16_dot = isa == 1 || (isa == -1 && kHasBf16Dot);
-  dispatch(q, k, v, block_table, rows, positions, block_size, scale, out, lse, bf16_dot);
+  dispatch(q, k, v, block_table, rows, positions, block_size, scale, out, lse, isa);
 }
 
 TORCH_LIBRARY(tandem_native, m) {

@@ -136,7 +136,8 @@ TANDEM_BF16_DOT void weigh_values(const uint16_t* const* p, const uint16_t* base
   const __m512i next16 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int64_t d = 0; d < dv; d += 32) {
     const __mmask32 m = first_lanes(dv - d);
-    __m512 lo[NB], hi[NB];
+    __m512 lo[NB], hi[NB];  // every loop over them unrolled, or GCC keeps them in memory
+#pragma GCC unroll 4
     for (int j = 0; j < NB; ++j) lo[j] = hi[j] = _mm512_setzero_ps();
     for (int64_t s = 0; s < w; s += 2) {
       const uint16_t* x = base + off[s] + d;
@@ -153,11 +154,12 @@ TANDEM_BF16_DOT void weigh_values(const uint16_t* const* p, const uint16_t* base
       }
     }
     const int64_t cols = std::min<int64_t>(32, dv - d);
+    const __mmask16 m0 = static_cast<__mmask16>(cols >= 16 ? 0xFFFF : (1u << cols) - 1);
+    const __mmask16 m1 = static_cast<__mmask16>(cols >= 32 ? 0xFFFF : cols > 16 ? (1u << (cols - 16)) - 1 : 0);
+#pragma GCC unroll 4
     for (int j = 0; j < NB; ++j) {
-      float natural[32];
-      _mm512_storeu_ps(natural, _mm512_permutex2var_ps(lo[j], first16, hi[j]));
-      _mm512_storeu_ps(natural + 16, _mm512_permutex2var_ps(lo[j], next16, hi[j]));
-      std::memcpy(acc[j] + d, natural, cols * sizeof(float));
+      _mm512_mask_storeu_ps(acc[j] + d, m0, _mm512_permutex2var_ps(lo[j], first16, hi[j]));
+      _mm512_mask_storeu_ps(acc[j] + d + 16, m1, _mm512_permutex2var_ps(lo[j], next16, hi[j]));
     }
   }
 }

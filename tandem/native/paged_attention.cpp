@@ -41,6 +41,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // K <= 31 drafts, whose queries must give their decodes' bits (the dot-product path's)
 constexpr int64_t kAmxMinQueries = 33;
 constexpr float kLog2e = 1.44269504088896341f;
+constexpr int64_t kSerialPairs = 8192;  // (query head, key) pairs below which a call runs on one thread
 
 #ifdef __AVX512F__
 const bool kHasBf16Dot = __builtin_cpu_supports("avx512bf16");
@@ -479,11 +480,16 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
   const int64_t k_slot = k.stride(0), k_head = k.stride(1), v_slot = v.stride(0), v_head = v.stride(1);
   const float fscale = static_cast<float>(scale);
 
-  int64_t max_q = 1, max_keys = 1;
+  int64_t max_q = 1, max_keys = 1, pairs = 0;
   for (int64_t i = 0; i < num_rows; ++i) {
     max_q = std::max<int64_t>(max_q, rw[5 * i + 2]);
     max_keys = std::max<int64_t>(max_keys, rw[5 * i + 3] - rw[5 * i + 4]);
+    pairs += rw[5 * i + 2] * std::max<int64_t>(0, rw[5 * i + 3] - rw[5 * i + 4]) * hq;
   }
+  // a call this small runs on the calling thread: waking the others cost more than its work (a batch-1 decode at
+  // SmolLM2's shapes, ~720 (query, key) pairs, 20 us a call in parallel). Threads only: the chunks, and so the bits,
+  // are the same either way.
+  const bool serial = pairs < kSerialPairs;
   // enough tasks for every thread (a long row split into chunks, merged after), no chunk past kMaxChunk
   const int64_t want = (4 * at::get_num_threads() + num_rows - 1) / num_rows;
   const int64_t chunk = std::min(kMaxChunk, std::max(kMinChunk, (max_keys + want - 1) / want));
@@ -501,7 +507,7 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
   std::vector<float> part_m(parts), part_l(parts), part_acc(parts * dv);
   const int64_t qrows = hq * max_q;  // query vectors of a row: head h's query i at h * n + i
 
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tasks, serial ? tasks + 1 : 1, [&](int64_t begin, int64_t end) {
     // per thread, reused across calls (sized by the largest call seen), read through plain pointers: a
     // thread_local looked up in the loops would cost a TLS call per access in a shared library
     thread_local std::vector<float> tl_qf, tl_kf, tl_vf, tl_scores, tl_m, tl_l, tl_acc;
@@ -728,7 +734,7 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
   if (parts == 0) return;
 
   // merge the chunks of each split row's queries: out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c
-  at::parallel_for(0, num_rows * hq, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_rows * hq, serial ? num_rows * hq + 1 : 1, [&](int64_t begin, int64_t end) {
     std::vector<float> merged(dv);
     for (int64_t rh = begin; rh < end; ++rh) {
       const int64_t row = rh / hq, h = rh % hq;

@@ -26,7 +26,7 @@ def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("seed", range(4))
 def test_amx_linear_rounds_the_float64_product_once(seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
-    for rows in (1, 5, 16, 17, 32, 33, 64, 70):
+    for rows in (1, 5, 16, 17, 32, 33, 64, 70, 128):
         n = int(torch.randint(1, 12, (1,), generator=g)) * 16  # odd multiples of 16: a last block of 16 columns
         k = int(torch.randint(1, 40, (1,), generator=g)) * 32
         x = torch.randn(rows, k, generator=g).bfloat16()
@@ -44,10 +44,10 @@ def test_amx_linear_rounds_the_float64_product_once(seed: int) -> None:
 @needs_amx
 def test_a_rows_result_does_not_depend_on_its_batch() -> None:
     g = torch.Generator().manual_seed(7)
-    x = torch.randn(70, 576, generator=g).bfloat16()
+    x = torch.randn(128, 576, generator=g).bfloat16()
     packed = native.amx_pack(torch.randn(960, 576, generator=g).bfloat16())
     full = native.amx_linear(x, packed, None)
-    for rows in (1, 3, 16, 31, 40, 64):
+    for rows in (1, 3, 16, 31, 40, 64, 100):
         assert torch.equal(native.amx_linear(x[:rows], packed, None), full[:rows])
     assert torch.equal(native.amx_linear(x[5:6], packed, None), full[5:6])
 

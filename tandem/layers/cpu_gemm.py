@@ -67,13 +67,14 @@ SMALL_ROWS_BF16 = 4 if torch.cpu._is_avx512_bf16_supported() else 1
 SMALL_MAX_ELEMENTS = 1 << 22
 SMALL_ROWS_BIG = 4
 # bfloat16 on a CPU with AMX: weights packed in AMX's tile layout instead of oneDNN's (native.amx_pack; the same
-# memory), decode batches of up to AMX_MAX_ROWS rows on tandem/native/amx_gemm.cpp, which streams each weight once at
-# the bandwidth where oneDNN's AMX GEMM reads ~19 GB/s; more rows (prompts) on F.linear. Measured (Intel Xeon with
-# AMX, 2 threads, SmolLM2-135M's 120 projections of a decode in turn twice, ~425 MB, cold; ms a sweep, oneDNN packed
-# / AMX kernel): 5 rows 22.6/15.9, 8 20.0/14.8, 16 18.8/13.3, 32 22.7/16.3, 48 22.3/20.7, 64 24.0/23.7, 128
-# 32.2/43.5; one warm [3072, 576] weight, us: F.linear / packed / AMX 197/125/143 at 64 rows, 270/204/294 at 128,
-# 648/620/992 at 512 (prompt rows: F.linear equals the packed GEMM from ~512 rows)
-AMX_MAX_ROWS = 64
+# memory), decode batches and their verification passes of up to AMX_MAX_ROWS rows on tandem/native/amx_gemm.cpp,
+# which streams each weight once at the bandwidth where oneDNN's AMX GEMM reads ~19 GB/s; more rows (prompts) on
+# F.linear. A row's result does not depend on its batch there, so bf16 greedy verification of up to 128 rows (batch 32,
+# K <= 3) gives decoding's bits. Measured (Intel Xeon with AMX, 2 threads, SmolLM2-135M's 120 projections of a decode
+# in turn twice, ~425 MB, cold; ms a sweep): oneDNN packed / AMX kernel 5 rows 22.6/15.9, 8 20.0/14.8, 16 18.8/13.3,
+# 32 22.7/16.3, 48 22.3/20.7, 64 24.0/23.7, 128 32.2/43.5; F.linear / AMX kernel 64 rows 39.5/23.5, 96 41.7/34.7, 128
+# 45.1/42.3, 256 67.4/81.8
+AMX_MAX_ROWS = 128
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

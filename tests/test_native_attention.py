@@ -61,7 +61,8 @@ def _reference(q, k, v, table, rows, positions, scale):
 
 # bf16 queries over a bf16 cache: the widening path (0), avx512_bf16's dot products (1) where the CPU has them, and
 # those with AMX tiles for rows of 33 queries or more (2) where it has AMX
-BF16_PATHS = [0] + ([1] if torch.cpu._is_avx512_bf16_supported() else []) + ([2] if native.amx_available() else [])
+BF16_PATHS = [0] + ([1] if torch.cpu._is_avx512_bf16_supported() else []) \
+    + ([2] if torch.cpu._is_amx_tile_supported() else [])
 PATHS = [(torch.float32, -1)] + [(torch.bfloat16, isa) for isa in BF16_PATHS]
 
 

@@ -108,6 +108,7 @@ FAST_TESTS = (
     "tests/test_native_attention.py::test_a_long_row_split_into_chunks_merges_exactly",
     "tests/test_native_attention.py::test_kernel_equals_float64_reference",
     "tests/test_native_attention.py::test_prompt_rows_equal_float64_reference",
+    "tests/test_native_attention.py::test_the_default_path_is_the_best_this_cpu_has",
     "tests/test_native_attention.py::test_a_query_gives_the_same_bits_in_a_decode_row_and_in_a_verification_row",
     "tests/test_native_attention.py::test_rows_out_of_range_are_refused",
     "tests/test_openai_server.py::test_a_batch_of_prompts_numbers_choices_prompt_major",

@@ -140,6 +140,22 @@ def test_a_query_gives_the_same_bits_in_a_decode_row_and_in_a_verification_row(d
         assert torch.equal(out, outs[0][0]) and torch.equal(lse, outs[0][1])
 
 
+def test_the_default_path_is_the_best_this_cpu_has():
+    """isa -1 (what the engine calls) gives the bits of the fastest path here: AMX tiles for prompt rows where the
+    CPU has AMX, else the bf16 dot products where it has avx512_bf16, else the widening path."""
+    rng = np.random.default_rng(5)
+    rows, positions, table, slots = _layout(rng, 4, 200, pcp_like=False, max_queries=60)
+    g = torch.Generator().manual_seed(5)
+    k, v = torch.randn(slots, 3, 64, generator=g).bfloat16(), torch.randn(slots, 3, 64, generator=g).bfloat16()
+    q = torch.randn(positions.shape[0], 9, 64, generator=g).bfloat16()
+    outs = {}
+    for isa in (-1, BF16_PATHS[-1]):
+        out, lse = torch.zeros(q.shape[0], 9, 64, dtype=torch.bfloat16), torch.zeros(q.shape[0], 9)
+        native.paged_attention(q, k, v, table, rows, positions, BLOCK, 0.125, out, lse, isa)
+        outs[isa] = (out, lse)
+    assert torch.equal(outs[-1][0], outs[BF16_PATHS[-1]][0]) and torch.equal(outs[-1][1], outs[BF16_PATHS[-1]][1])
+
+
 def test_an_isa_this_cpu_lacks_is_refused():
     q = torch.randn(1, 2, 32).bfloat16()
     args = (q, q, q, torch.zeros(1, 1, dtype=torch.int32), torch.tensor([[0, 0, 1, 1, 0]], dtype=torch.int32),

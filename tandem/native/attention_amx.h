@@ -18,34 +18,61 @@
 #include "amx_tiles.h"
 
 #define TANDEM_AMX __attribute__((target("amx-tile,amx-bf16")))
+#define TANDEM_AMX_LAYOUT __attribute__((target("avx512f,avx512bw,avx512vl")))
 
 namespace amx_attention {
 
 // keys s in [0, n), n <= 16, of one KV head (key s at base + off[s], dk channels) as the B tiles of S = Q K^T, one a
 // 32-channel chunk: out[c][p][s] = the pair of key s's channels 32c + 2p, 32c + 2p + 1 (zeros for missing keys and
-// channels past dk). out: [ceil(dk / 32)][16][16] pairs
-inline void keys_as_b(const uint16_t* base, const int64_t* off, int64_t n, int64_t dk, uint32_t* out) {
-  std::memset(out, 0, (dk + 31) / 32 * 1024);
-  for (int64_t s = 0; s < n; ++s) {
-    const uint16_t* key = base + off[s];
-    int64_t d = 0;
-    for (; d + 1 < dk; d += 2) {
-      uint32_t pair;
-      std::memcpy(&pair, key + d, sizeof(pair));
-      out[(d / 32) * 256 + (d % 32) / 2 * 16 + s] = pair;
+// channels past dk): a 16 x 16 transpose of 32-bit pairs a chunk, in registers (unpacks, then 128-bit shuffles).
+// out: [ceil(dk / 32)][16][16] pairs
+TANDEM_AMX_LAYOUT inline void keys_as_b(const uint16_t* base, const int64_t* off, int64_t n, int64_t dk,
+                                        uint32_t* out) {
+  for (int64_t c = 0; c < dk; c += 32) {
+    const __mmask32 m = dk - c >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << (dk - c)) - 1);
+    __m512i r[16];
+    for (int s = 0; s < 16; ++s) r[s] = s < n ? _mm512_maskz_loadu_epi16(m, base + off[s] + c) : _mm512_setzero_si512();
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; ++i) {  // lane L: pairs 4L, 4L + 1 (t[2i]) or 4L + 2, 4L + 3 (t[2i + 1]) of keys 2i, 2i + 1
+      t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
     }
-    if (d < dk) out[(d / 32) * 256 + (d % 32) / 2 * 16 + s] = key[d];
+    for (int j = 0; j < 4; ++j) {  // u[4j + e], lane L: pair 4L + e of keys 4j .. 4j + 3
+      u[4 * j] = _mm512_unpacklo_epi64(t[4 * j], t[4 * j + 2]);
+      u[4 * j + 1] = _mm512_unpackhi_epi64(t[4 * j], t[4 * j + 2]);
+      u[4 * j + 2] = _mm512_unpacklo_epi64(t[4 * j + 1], t[4 * j + 3]);
+      u[4 * j + 3] = _mm512_unpackhi_epi64(t[4 * j + 1], t[4 * j + 3]);
+    }
+    uint32_t* o = out + c / 32 * 256;
+    for (int e = 0; e < 4; ++e) {  // pair 4L + e of keys 0 .. 15: lane L of u[e], u[4 + e], u[8 + e], u[12 + e]
+      const __m512i v0 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x88), v1 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xDD);
+      const __m512i w0 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x88);
+      const __m512i w1 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xDD);
+      _mm512_storeu_si512(o + (0 + e) * 16, _mm512_shuffle_i32x4(v0, w0, 0x88));
+      _mm512_storeu_si512(o + (4 + e) * 16, _mm512_shuffle_i32x4(v1, w1, 0x88));
+      _mm512_storeu_si512(o + (8 + e) * 16, _mm512_shuffle_i32x4(v0, w0, 0xDD));
+      _mm512_storeu_si512(o + (12 + e) * 16, _mm512_shuffle_i32x4(v1, w1, 0xDD));
+    }
   }
 }
 
 // values s in [0, n), n <= 32, of one KV head as the B tiles of O = P V, one a 16-channel chunk: out[t][p][2e + j] =
-// channel 16t + e of value 2p + j (zeros for missing values and channels past dv). out: [ceil(dv / 16)][16][32]
-inline void values_as_b(const uint16_t* base, const int64_t* off, int64_t n, int64_t dv, uint16_t* out) {
-  std::memset(out, 0, (dv + 15) / 16 * 1024);
-  for (int64_t s = 0; s < n; ++s) {
-    const uint16_t* value = base + off[s];
-    uint16_t* o = out + s / 2 * 32 + s % 2;
-    for (int64_t d = 0; d < dv; ++d) o[(d / 16) * 512 + (d % 16) * 2] = value[d];
+// channel 16t + e of value 2p + j (zeros for missing values and channels past dv): two value rows' 16 channels
+// interleaved a tile row. out: [ceil(dv / 16)][16][32]
+TANDEM_AMX_LAYOUT inline void values_as_b(const uint16_t* base, const int64_t* off, int64_t n, int64_t dv,
+                                          uint16_t* out) {
+  for (int64_t d = 0; d < dv; d += 16) {
+    const __mmask16 m = dv - d >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (dv - d)) - 1);
+    uint16_t* o = out + d / 16 * 512;
+    for (int64_t p = 0; p < 16; ++p) {
+      const __m256i x = 2 * p < n ? _mm256_maskz_loadu_epi16(m, base + off[2 * p] + d) : _mm256_setzero_si256();
+      const __m256i y = 2 * p + 1 < n ? _mm256_maskz_loadu_epi16(m, base + off[2 * p + 1] + d)
+                                      : _mm256_setzero_si256();
+      // per 128-bit lane: channels 0-3 (lo) and 4-7 (hi) of the lane's 8, paired
+      const __m256i lo = _mm256_unpacklo_epi16(x, y), hi = _mm256_unpackhi_epi16(x, y);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + p * 32), _mm256_permute2x128_si256(lo, hi, 0x20));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + p * 32 + 16), _mm256_permute2x128_si256(lo, hi, 0x31));
+    }
   }
 }
 

@@ -840,7 +840,7 @@ void paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
                     key_start >= 0 && seq_len <= block_table.size(1) * block_size,
                 "paged_attention: row ", i, " is out of range");
   }
-  const bool bf16_dot = isa == 1 || (isa == -1 && kHasBf16Dot);
+  if (isa == -1) isa = kHasBf16Dot ? (amx_ready() ? 2 : 1) : 0;
   dispatch(q, k, v, block_table, rows, positions, block_size, scale, out, lse, isa);
 }
 

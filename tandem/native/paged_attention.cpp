@@ -26,6 +26,7 @@
 #include <immintrin.h>
 #endif
 
+#include "amx_tiles.h"  // amx_ready(), on every build
 #include "attention_amx.h"
 #include "attention_bf16.h"
 #include "vec16.h"

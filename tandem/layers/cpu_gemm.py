@@ -143,10 +143,8 @@ def prepack_linears(model: nn.Module, lm_head_only: bool, amx: bool = False) -> 
     for module in model.modules():
         if not hasattr(module, "packed_weight"):
             continue
-        if lm_head_only and not isinstance(module, ParallelLMHead):
-            # inside compiled pieces inductor's freezing packs for oneDNN; AMX's layout is ours to make
-            if not (amx and _amx_fits(module.weight) and module.weight.numel() >= BF16_PACK_MIN_ELEMENTS):
-                continue
+        if lm_head_only and not isinstance(module, ParallelLMHead) and not (amx and _amx_fits(module.weight)):
+            continue  # inside compiled pieces inductor's freezing packs for oneDNN; AMX's layout is ours to make
         module.packed_weight = prepack(module.weight, amx)
         count += module.packed_weight is not None
     return count

@@ -1,4 +1,4 @@
-// bfloat16 linears of a decode batch (5 to a few hundred rows) on Intel AMX tiles, streaming each weight once.
+// bfloat16 linears of a decode batch or its verification (5-128 rows) on Intel AMX tiles, streaming each weight once.
 //
 // At 32 rows a bf16 linear is memory-bound (32 multiply-adds a weight value; AMX does ~500 a cycle), so its time is
 // the weight's bytes over the read bandwidth. oneDNN's AMX GEMM reads SmolLM2-135M's projections at ~19.7 GB/s at 32

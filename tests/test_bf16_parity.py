@@ -50,13 +50,7 @@ def _hf_next_logits(model, ids: list[int]) -> torch.Tensor:
     return model(torch.tensor([ids])).logits[0, -1].float()
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_bf16_greedy_matches_hf_up_to_numerical_ties(tiny_checkpoints, arch):
-    path = tiny_checkpoints(arch)
-    prompts = random_prompts([5, 17, 31], vocab_size=500, seed=7)
-    llm = LLM(str(path), dtype="bfloat16")
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+def _assert_within_ties(label: str, path, prompts: list[list[int]], outs) -> None:
     bf16, fp32 = _hf(path, torch.bfloat16), _hf(path, torch.float32)
     for prompt, out in zip(prompts, outs, strict=True):
         ours = out.outputs[0].token_ids
@@ -65,6 +59,35 @@ def test_bf16_greedy_matches_hf_up_to_numerical_ties(tiny_checkpoints, arch):
             continue
         j = next(i for i, (a, b) in enumerate(zip(ours, ref, strict=True)) if a != b)
         gaps = [_gap(_hf_next_logits(m, prompt + ref[:j]), ours[j]) for m in (bf16, fp32)]
-        assert min(gaps) <= TIE, (f"{arch}: at output position {j} tandem chose {ours[j]} and HF bfloat16 {ref[j]}; "
+        assert min(gaps) <= TIE, (f"{label}: at output position {j} tandem chose {ours[j]} and HF bfloat16 {ref[j]}; "
                                   f"tandem's token is {gaps[0]:.3f} (HF bfloat16) and {gaps[1]:.3f} (HF float32) "
                                   f"below the best, more than a bfloat16 tie ({TIE})")
+
+
+def _generate(path, prompts: list[list[int]], **kwargs):
+    llm = LLM(str(path), dtype="bfloat16", **kwargs)
+    try:
+        return llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_greedy_matches_hf_up_to_numerical_ties(tiny_checkpoints, arch):
+    path = tiny_checkpoints(arch)
+    prompts = random_prompts([5, 17, 31], vocab_size=500, seed=7)
+    _assert_within_ties(arch, path, prompts, _generate(path, prompts))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_bf16_decode_batches_match_hf_up_to_numerical_ties(tiny_checkpoints, compiled):
+    """Weights big enough to be packed (on a CPU with AMX: into its tile layout) and 8 sequences, so decode steps
+    run the batch GEMM (5+ rows: tandem's AMX GEMM where the CPU has AMX, oneDNN's elsewhere), eager and inside
+    compiled pieces, where the linears are opaque ops beside inductor's fused elementwise code."""
+    path = tiny_checkpoints("llama", overrides={"hidden_size": 256, "intermediate_size": 512})
+    prompts = random_prompts([5, 9, 12, 17, 20, 26, 31, 33], vocab_size=500, seed=11)
+    kwargs = {"compilation_config": {"mode": "VLLM_COMPILE", "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]}} \
+        if compiled else {}
+    _assert_within_ties(f"llama 256-wide, {'compiled' if compiled else 'eager'}", path, prompts,
+                        _generate(path, prompts, **kwargs))

@@ -362,3 +362,47 @@ def test_a_later_stage_writes_only_questions_no_earlier_stage_answered(trained, 
     assert later["offset"] == later["exclude"]
     with pytest.raises(ValueError, match=r"--exclude-data .*nothing: no data/ folder there"):
         Distiller(DistillPlan(target, tmp_path / "x", gsm8k, 4, 0.0, 4, seed=0, exclude=(tmp_path / "nothing",))).run()
+
+
+def test_renumber_redraws_each_quantity_keeping_digits_and_repeats():
+    """A renumbered question keeps its words, gives each distinct number a new one of as many digits (the same one
+    wherever it repeats), is reproducible from the seed, and differs between seeds."""
+    import random
+    import re
+
+    from tandem.train.draft_head.distill import renumber
+
+    q = "Ann has 12 pens and 305 clips; she gives 12 pens and 0 clips to 7 friends, each 1.5 hours."
+    outs = [renumber(q, random.Random(s)) for s in range(50)]
+    assert outs[0] == renumber(q, random.Random(0))
+    assert len(set(outs)) > 40
+    for out in outs:
+        assert re.sub(r"\d+", "#", out) == re.sub(r"\d+", "#", q)
+        nums = re.findall(r"\d+", out)
+        assert [len(n) for n in nums] == [len(n) for n in re.findall(r"\d+", q)]
+        assert nums[0] == nums[2] and nums[3] == "0" and all(n[0] != "0" for n in nums if n != "0")
+
+
+def test_reuse_data_trains_on_an_earlier_runs_answers_too(trained, tmp_path):
+    """`--reuse-data WORK`: the earlier run's finished chunks join this run's sequences (and no chunk of theirs is
+    generated or featurised again); a folder without finished chunks is refused by name."""
+    target, _, work = trained
+    gsm8k = work.parent / "train.jsonl"
+    earlier = [json.loads(line) for line in (work / "train_log.jsonl").read_text().splitlines()]
+    earlier_seqs = next(r["sequences"] for r in earlier if r["stage"] == "distill")
+    later = tmp_path / "later-work"
+    rc = cli_main(["train", "draft-head", str(target), "--out", str(tmp_path / "later"), "--work", str(later),
+                   "--gsm8k", str(gsm8k), "--num-prompts", "4", "--magpie-share", "0", "--max-tokens", "8",
+                   "--renumber", "--seed", "3", "--draft-vocab-size", "256", "--epochs", "1", "--max-steps", "2",
+                   "--batch-tokens", "512", "--threads", "1", "--reuse-data", str(work)])
+    assert rc == 0
+    log = [json.loads(line) for line in (later / "train_log.jsonl").read_text().splitlines()]
+    distill = next(r for r in log if r["stage"] == "distill")
+    # this run's own 4 answers, less any under MIN_RESPONSE_TOKENS (the tiny random target stops early at times)
+    assert distill["reused_sequences"] == earlier_seqs and 1 <= distill["sequences"] - earlier_seqs <= 4
+    assert next(r for r in log if r["stage"] == "features")["computed_chunks"] == 1
+    assert (tmp_path / "later" / "model.safetensors").is_file()
+    rc = cli_main(["train", "draft-head", str(target), "--out", str(tmp_path / "x"), "--gsm8k", str(gsm8k),
+                   "--num-prompts", "4", "--magpie-share", "0", "--max-tokens", "8", "--max-steps", "1",
+                   "--reuse-data", str(tmp_path / "nothing")])
+    assert rc == 2

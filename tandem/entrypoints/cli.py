@@ -179,6 +179,12 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
                         "with the same seed then writes new prompts)")
     d.add_argument("--exclude-data", nargs="+", default=[], metavar="WORK",
                    help="earlier runs' work folders: GSM8K questions answered in their data/ are skipped")
+    d.add_argument("--renumber", action="store_true",
+                   help="redraw every number of each GSM8K question (seeded by --seed): new questions in GSM8K's "
+                        "style once its 7,473 are answered")
+    d.add_argument("--reuse-data", nargs="+", default=[], metavar="WORK",
+                   help="earlier runs' work folders (same target): their answers and features join this run's "
+                        "training set and draft vocabulary")
     d.add_argument("--distill-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="the engine's dtype while it writes the answers (bfloat16: ~2x faster on bf16 hardware; "
                         "greedy answers then differ from float32's at near-ties)")
@@ -218,7 +224,8 @@ def run_train(args: argparse.Namespace) -> int:
         threads=args.threads, max_hours=args.max_hours, bf16=args.bf16,
         init_from=Path(args.init_from) if args.init_from else None, max_steps=args.max_steps,
         init_layer=args.init_layer, prompt_offset=args.prompt_offset,
-        exclude_data=tuple(Path(w) for w in args.exclude_data))))
+        exclude_data=tuple(Path(w) for w in args.exclude_data), renumber=args.renumber,
+        reuse_data=tuple(Path(w) for w in args.reuse_data))))
     return 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ class DistillPlan:
     dtype: str = "float32"
     prompt_offset: int = 0  # where in the seed's GSM8K order, and in its Magpie seeds, this run starts
     exclude: tuple[Path, ...] = ()  # earlier work folders: GSM8K questions answered in their data/ are skipped
+    renumber: bool = False  # each GSM8K question's numbers redrawn (seeded): new questions in GSM8K's style
 
 
 def user_turn_prefix(tokenizer: Any) -> str:
@@ -82,6 +84,9 @@ class Distiller:
         questions = [p.question for p in load_jsonl(self.plan.gsm8k_path)]
         random.Random(self.plan.seed).shuffle(questions)
         questions = questions[self.plan.prompt_offset:]
+        if self.plan.renumber:
+            rng = random.Random(self.plan.seed * 7919 + self.plan.prompt_offset)
+            questions = [renumber(q, rng) for q in questions]
         if self.plan.exclude:
             # a later stage learns most from questions no earlier stage answered (distinct answers, not repeats)
             seen = self._answered_prompts(self.plan.exclude)
@@ -148,6 +153,26 @@ class Distiller:
             if o.outputs[0].finish_reason == "stop" and len(text) >= 8 and text not in kept:
                 kept.append(text)
         return kept[:n]
+
+
+_NUMBER = re.compile(r"\d+")
+
+
+def renumber(question: str, rng: random.Random) -> str:
+    """The question with every run of digits redrawn to a number of as many digits (no leading zero; "0" stays),
+    one draw per distinct run, so a quantity named twice stays the same. GSM8K train holds 7,473 questions; a
+    stage past them learns from the target's answers to the same problems over new quantities (its arithmetic
+    tokens are most of what a head mispredicts), not from repeats of answers it has seen."""
+    drawn: dict[str, str] = {}
+
+    def draw(m: re.Match[str]) -> str:
+        digits = m.group()
+        if digits not in drawn:
+            n = len(digits)
+            drawn[digits] = "0" if digits == "0" else str(rng.randint(10 ** (n - 1) if n > 1 else 1, 10 ** n - 1))
+        return drawn[digits]
+
+    return _NUMBER.sub(draw, question)
 
 
 def read_rows(paths: list[Path]) -> list[dict[str, Any]]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
@@ -50,6 +51,8 @@ class DraftHeadArgs:
     max_steps: int | None = None  # optimizer steps at most (the schedule's length when shorter than the epochs')
     prompt_offset: int = 0  # the first GSM8K question (in the seed's order) and Magpie seed offset this run uses
     exclude_data: tuple[Path, ...] = ()  # earlier work folders whose answered GSM8K questions are skipped
+    renumber: bool = False  # GSM8K questions with their numbers redrawn (seeded)
+    reuse_data: tuple[Path, ...] = ()  # earlier work folders whose data and features join this run's training set
 
     def validate(self, target_vocab_size: int) -> None:
         checks = [("num_prompts", self.num_prompts >= 1, "at least 1"),
@@ -125,6 +128,27 @@ def end_token_ids(target: Path, raw: dict[str, Any]) -> list[int]:
     return sorted({*ids, *([tok_eos] if tok_eos is not None else [])})
 
 
+def reused_chunks(work_dirs: tuple[Path, ...], aux_width: int) -> list[tuple[Path, list[dict[str, Any]]]]:
+    """(feature stem, rows) of every chunk an earlier run's work folder finished, rows filtered as this run's are.
+    The features must have been computed for this run's aux layers (the same target and head shape)."""
+    out = []
+    for work in work_dirs:
+        data = sorted((work / "data").glob("*.jsonl")) if (work / "data").is_dir() else []
+        stems = [work / "features" / p.stem for p in data]
+        if not data or not all(chunk_done(s) for s in stems):
+            raise ValueError(f"--reuse-data {work}: no finished data/ and features/ chunks there (a `tandem train "
+                             "draft-head` work folder whose run got past its features)")
+        for p, stem in zip(data, stems, strict=True):
+            rows = [r for r in read_rows([p]) if len(r["ids"]) - r["response_start"] >= MIN_RESPONSE_TOKENS]
+            want = (sum(len(r["ids"]) for r in rows), aux_width)
+            shape = np.load(f"{stem}.aux.npy", mmap_mode="r").shape
+            if shape != want:
+                raise ValueError(f"--reuse-data {work}: {stem.name}'s features are {list(shape)}, this target's "
+                                 f"aux layers need {list(want)} (another target or aux layers)")
+            out.append((stem, rows))
+    return out
+
+
 def run(args: DraftHeadArgs) -> Path:
     started = time.time()
     raw = read_target_config(args.target)
@@ -139,11 +163,14 @@ def run(args: DraftHeadArgs) -> Path:
     t0 = time.time()
     paths = Distiller(DistillPlan(args.target, args.work, args.gsm8k, args.num_prompts, args.magpie_share,
                                   args.max_tokens, args.seed, args.distill_dtype, args.prompt_offset,
-                                  args.exclude_data)).run()
+                                  args.exclude_data, args.renumber)).run()
     chunks = [(p, [r for r in read_rows([p]) if len(r["ids"]) - r["response_start"] >= MIN_RESPONSE_TOKENS])
               for p in paths]
     rows = [r for _, rs in chunks for r in rs]
+    reused = reused_chunks(args.reuse_data, len(aux_layer_ids(raw)) * raw["hidden_size"])
+    rows += [r for _, rs in reused for r in rs]
     log({"stage": "distill", "seconds": round(time.time() - t0, 1), "sequences": len(rows),
+         "reused_sequences": sum(len(rs) for _, rs in reused),
          "response_tokens": sum(len(r["ids"]) - r["response_start"] for r in rows),
          "total_tokens": sum(len(r["ids"]) for r in rows),
          "truncated": sum(r["finish_reason"] == "length" for r in rows)})
@@ -153,6 +180,7 @@ def run(args: DraftHeadArgs) -> Path:
     feature_dir.mkdir(exist_ok=True)
     stems = [(feature_dir / p.stem, rs) for p, rs in chunks]
     missing = [(stem, rs) for stem, rs in stems if not chunk_done(stem)]
+    stems += reused
     if missing:
         target_model = TargetModel(args.target, aux_layer_ids(raw))
         for stem, rs in missing:

@@ -341,3 +341,33 @@ def test_a_fresh_lock_of_a_killed_build_is_waited_out_not_forever(tmp_path, monk
     await_build_lock("tandem_native_test", max_age_s=1.0, poll_s=0.05)
     assert not lock.exists() and 0.9 < time.monotonic() - start < 30
     await_build_lock("tandem_native_test", max_age_s=1.0)  # no lock: returns at once
+
+
+@pytest.mark.parametrize(("dtype", "isa"), PATHS)
+def test_a_long_prompt_row_gives_the_same_bits_on_any_number_of_threads(dtype, isa):
+    """One prompt row of 300 queries behind 700 cached keys: the reference's result, and the same bits on 1 and 2
+    threads (the row is split into more tasks with more threads: key chunks merged by LSE, or on AMX tiles query
+    blocks)."""
+    g = torch.Generator().manual_seed(4)
+    s, n = 1000, 300
+    table = torch.randperm(s // BLOCK + 8, generator=g)[None, : -(-s // BLOCK)].int()
+    k = torch.randn((s // BLOCK + 8) * BLOCK, 3, 64, generator=g).to(dtype)
+    v = torch.randn((s // BLOCK + 8) * BLOCK, 3, 64, generator=g).to(dtype)
+    q = torch.randn(n, 9, 64, generator=g).to(dtype)
+    rows = torch.tensor([[0, 0, n, s, 0]], dtype=torch.int32)
+    positions = torch.arange(s - n, s)
+    before, outs = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out, lse = torch.zeros(n, 9, 64, dtype=dtype), torch.zeros(n, 9)
+            native.paged_attention(q, k, v, table, rows, positions, BLOCK, 0.125, out, lse, isa)
+            outs.append((out, lse))
+    finally:
+        torch.set_num_threads(before)
+    want, want_lse = _reference(q, k, v, table, rows, positions, 0.125)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outs[0][0].double(), want, rtol=tol, atol=tol)
+    torch.testing.assert_close(outs[0][1].double(), want_lse, rtol=1e-5, atol=1e-5)
+    if isa == 2:  # key chunks merge in another order on another split; a query block's softmax is whole
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])

@@ -298,6 +298,14 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return torch.ops.tandem_native.small_linear(x, weight, bias)
 
 
+def prompt_row_queries(default: int) -> int:
+    """The most queries of a prompt row the attention kernel takes whole for the current model (longer rows go to
+    torch's SDPA): `default`, or no bound for a bfloat16 model on a CPU with AMX, whose tiles run a long causal row
+    faster than SDPA (docs/kernels.md)."""
+    model = _serving.get() or DEFAULT_SERVING
+    return 1 << 30 if model.dtype == torch.bfloat16 and amx_available() else default
+
+
 def amx_available() -> bool:
     """Whether amx_linear runs here: the kernels are built, the CPU has AMX-BF16 and the OS granted its state."""
     return _load() and bool(torch.ops.tandem_native.amx_available())

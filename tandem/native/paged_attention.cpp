@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -497,8 +498,22 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
   // tasks: row i's chunks are tasks first_task[i] .. first_task[i + 1] - 1; only a row of several chunks keeps
   // partial results (each query's max, sum and weighted values per chunk), from part_at[i] on
   std::vector<int64_t> first_task(num_rows + 1, 0), part_at(num_rows, 0);
+  // a prompt row on AMX tiles is split by its queries instead (qblock[i] of them a task, every key they see, no
+  // merge): its keys' tile layout is cheap next to its scores, and each query's softmax stays whole (the same bits
+  // however the row is split)
+  std::vector<int64_t> qblock(num_rows, 0);
+  bool amx_split = false;
+#ifdef __AVX512F__
+  amx_split = std::is_same_v<T, at::BFloat16> && std::is_same_v<KV, at::BFloat16> && bf16_dot && amx_rows;
+#endif
   int64_t parts = 0;
   for (int64_t i = 0; i < num_rows; ++i) {
+    if (const int64_t n = rw[5 * i + 2]; amx_split && n >= kAmxMinQueries) {
+      const int64_t blocks = std::min((n + 15) / 16, (8 * at::get_num_threads() + num_rows - 1) / num_rows);
+      qblock[i] = ((n + blocks - 1) / blocks + 15) / 16 * 16;
+      first_task[i + 1] = first_task[i] + (n + qblock[i] - 1) / qblock[i];
+      continue;
+    }
     const int64_t chunks = std::max<int64_t>(1, (rw[5 * i + 3] - rw[5 * i + 4] + chunk - 1) / chunk);
     first_task[i + 1] = first_task[i] + chunks;
     part_at[i] = parts;
@@ -508,7 +523,12 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
   std::vector<float> part_m(parts), part_l(parts), part_acc(parts * dv);
   const int64_t qrows = hq * max_q;  // query vectors of a row: head h's query i at h * n + i
 
-  at::parallel_for(0, tasks, serial ? tasks + 1 : 1, [&](int64_t begin, int64_t end) {
+  // Tasks are handed out one at a time from a shared counter rather than in contiguous ranges: a long causal row's
+  // first key chunk is seen by all its queries and its last by few, so a contiguous split of its chunks gave one
+  // thread ~70% of the work. Which thread runs a task does not change its result.
+  std::atomic<int64_t> next_task{0};
+  const int64_t workers = serial ? 1 : std::min<int64_t>(tasks, at::get_num_threads());
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     // per thread, reused across calls (sized by the largest call seen), read through plain pointers: a
     // thread_local looked up in the loops would cost a TLS call per access in a shared library
     thread_local std::vector<float> tl_qf, tl_kf, tl_vf, tl_scores, tl_m, tl_l, tl_acc;
@@ -523,10 +543,37 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
     float* l_buf = grow(tl_l, qrows);
     float* acc_buf = grow(tl_acc, qrows * dv);
     int64_t* width_of = grow(tl_width, qrows);
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task; (task = next_task.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
       const int64_t row = std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
       const int64_t c = task - first_task[row], chunks = first_task[row + 1] - first_task[row];
       const int32_t* rr = rw + 5 * row;
+#ifdef __AVX512F__
+      if (qblock[row] > 0) {  // amx_split's rows: the row's last (causal: widest) query blocks first
+        const int64_t t0 = rr[1], seq_len = rr[3], key_start = rr[4];
+        const int64_t i0 = (chunks - 1 - c) * qblock[row], nb = std::min<int64_t>(qblock[row], rr[2] - i0);
+        const int32_t* blocks = table + rr[0] * table_stride;
+        int64_t width = 0;
+        for (int64_t h = 0; h < hq; ++h) {
+          for (int64_t i = 0; i < nb; ++i) {
+            width_of[h * nb + i] = std::clamp<int64_t>(std::min<int64_t>(pos[t0 + i0 + i] + 1, seq_len) - key_start,
+                                                       0, std::max<int64_t>(seq_len - key_start, 0));
+            width = std::max(width, width_of[h * nb + i]);
+          }
+        }
+        std::fill(m_buf, m_buf + hq * nb, kNegInf);
+        std::fill(l_buf, l_buf + hq * nb, 0.f);
+        std::fill(acc_buf, acc_buf + hq * nb * dv, 0.f);
+        auto slot_of = [&](int64_t s) {
+          const int64_t p = key_start + s;
+          return static_cast<int64_t>(blocks[p / block_size]) * block_size + p % block_size;
+        };
+        amx_task(reinterpret_cast<const uint16_t*>(qp) + (t0 + i0) * q_tok, q_tok, q_head,
+                 reinterpret_cast<const uint16_t*>(kp), reinterpret_cast<const uint16_t*>(vp), k_head, v_head, k_slot,
+                 v_slot, slot_of, width, width_of, nb, hq, hkv, dk, dv, fscale, m_buf, l_buf, acc_buf);
+        write_task(op, lp, t0 + i0, nb, hq, dv, o_tok, o_head, m_buf, l_buf, acc_buf);
+        continue;
+      }
+#endif
       const int64_t t0 = rr[1], n = rr[2], seq_len = rr[3], key_start = rr[4];
       const int32_t* blocks = table + rr[0] * table_stride;
       const int64_t lo = key_start + c * chunk, hi = std::min<int64_t>(seq_len, lo + chunk);
@@ -556,13 +603,6 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
       };
 #ifdef __AVX512F__
       if constexpr (std::is_same_v<T, at::BFloat16> && std::is_same_v<KV, at::BFloat16>) {
-        if (bf16_dot && amx_rows && n >= kAmxMinQueries) {
-          amx_task(reinterpret_cast<const uint16_t*>(qp) + t0 * q_tok, q_tok, q_head,
-                   reinterpret_cast<const uint16_t*>(kp), reinterpret_cast<const uint16_t*>(vp), k_head, v_head,
-                   k_slot, v_slot, slot_of, width, width_of, n, hq, hkv, dk, dv, fscale, m, l, acc);
-          if (!split) write_task(op, lp, t0, n, hq, dv, o_tok, o_head, m, l, acc);
-          continue;
-        }
         if (bf16_dot) {
           dot_task(reinterpret_cast<const uint16_t*>(qp) + t0 * q_tok, q_tok, q_head,
                    reinterpret_cast<const uint16_t*>(kp), reinterpret_cast<const uint16_t*>(vp), k_head, v_head,
@@ -740,7 +780,7 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
     for (int64_t rh = begin; rh < end; ++rh) {
       const int64_t row = rh / hq, h = rh % hq;
       const int64_t chunks = first_task[row + 1] - first_task[row];
-      if (chunks == 1) continue;
+      if (chunks == 1 || qblock[row] > 0) continue;  // whole, or written by its query blocks
       const int32_t* rr = rw + 5 * row;
       const int64_t t0 = rr[1], n = rr[2], nq = hq * n;
       for (int64_t i = 0; i < n; ++i) {

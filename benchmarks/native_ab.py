@@ -33,12 +33,13 @@ from tandem.native import ISA_FLAGS
 NATIVE = Path(__file__).resolve().parent.parent / "tandem" / "native"
 LAYERS, BLOCK = 30, 16
 SOURCES = {"attention": "paged_attention.cpp", "gemv": "small_gemm.cpp", "gemv-sweep": "small_gemm.cpp"}
-# sources a kernel calls into (silu_mul)
-HELPERS = {"attention": (), "gemv": ("elementwise.cpp",), "gemv-sweep": ("elementwise.cpp",)}
+# sources a kernel calls into (silu_mul; amx_ready), where the revision has them
+HELPERS = {"attention": ("amx_gemm.cpp",), "gemv": ("elementwise.cpp",), "gemv-sweep": ("elementwise.cpp",)}
 # (queries' dtype, cache's dtype, rows, queries a row, keys a row): SmolLM2's heads (9 query / 3 KV heads x 64)
 CASES = [(torch.bfloat16, torch.bfloat16, 32, 1, 80), (torch.bfloat16, torch.bfloat16, 32, 1, 512),
          (torch.bfloat16, torch.bfloat16, 1, 1, 2048), (torch.bfloat16, torch.bfloat16, 32, 64, 64),
-         (torch.bfloat16, torch.bfloat16, 4, 4, 200), (torch.bfloat16, torch.float8_e4m3fn, 32, 1, 80),
+         (torch.bfloat16, torch.bfloat16, 4, 4, 200), (torch.bfloat16, torch.bfloat16, 1, 1024, 1024),
+         (torch.bfloat16, torch.float8_e4m3fn, 32, 1, 80),
          (torch.float32, torch.float32, 32, 1, 80), (torch.float32, torch.float32, 32, 1, 512),
          (torch.float32, torch.float32, 32, 64, 64)]
 # (dtype, rows of x, N, K): SmolLM2-135M's qkv, o, gate_up and down projections at a decode's few rows
@@ -48,13 +49,30 @@ SWEEP_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # a SmolLM2-1
 SWEEP_ROWS = (1, 2, 3, 4, 8)
 
 
-def build(name: str, source: str, folder: Path, helpers: tuple[str, ...] = ()) -> Any:
-    """The kernel's source (this tree's headers beside it, and this tree's `helpers` sources it calls into) as its own
-    extension, registered under torch.ops.<name>."""
+def native_file(rev: str | None, name: str) -> str:
+    """tandem/native/NAME at commit `rev`, or in this tree (rev None)."""
+    if rev is None:
+        return (NATIVE / name).read_text()
+    return subprocess.run(["git", "show", f"{rev}:tandem/native/{name}"], check=True, capture_output=True, text=True,
+                          cwd=NATIVE).stdout
+
+
+def build(name: str, source: str, folder: Path, rev: str | None, helpers: tuple[str, ...] = ()) -> Any:
+    """The kernel's source at `rev` (None: this tree) as its own extension, registered under torch.ops.<name>, in a
+    folder of its own beside that revision's headers and the `helpers` sources it calls into."""
+    folder.mkdir()
     for header in NATIVE.glob("*.h"):
-        (folder / header.name).write_text(header.read_text())
-    paths = []
-    for stem, text in ((name, source), *((f"{name}_{Path(h).stem}", (NATIVE / h).read_text()) for h in helpers)):
+        try:
+            (folder / header.name).write_text(native_file(rev, header.name))
+        except subprocess.CalledProcessError:  # a header newer than rev: its source does not include it
+            pass
+    paths, texts = [], [(name, native_file(rev, source))]
+    for helper in helpers:
+        try:
+            texts.append((f"{name}_{Path(helper).stem}", native_file(rev, helper)))
+        except subprocess.CalledProcessError:  # not at rev: its kernel did not call it then
+            pass
+    for stem, text in texts:
         paths.append(folder / f"{stem}.cpp")
         paths[-1].write_text(text.replace("TORCH_LIBRARY(tandem_native", f"TORCH_LIBRARY_FRAGMENT({name}")
                              .replace("TORCH_LIBRARY_FRAGMENT(tandem_native", f"TORCH_LIBRARY_FRAGMENT({name}"))
@@ -149,13 +167,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    source = SOURCES[args.kernel]
-    before_src = subprocess.run(["git", "show", f"{args.rev}:tandem/native/{source}"], check=True,
-                                capture_output=True, text=True, cwd=NATIVE).stdout
+    source, helpers = SOURCES[args.kernel], HELPERS[args.kernel]
     with tempfile.TemporaryDirectory() as tmp:
-        helpers = HELPERS[args.kernel]
-        ops = {"before": build("tandem_ab_before", before_src, Path(tmp), helpers),
-               "after": build("tandem_ab_after", (NATIVE / source).read_text(), Path(tmp), helpers)}
+        ops = {"before": build("tandem_ab_before", source, Path(tmp) / "before", args.rev, helpers),
+               "after": build("tandem_ab_after", source, Path(tmp) / "after", None, helpers)}
     {"attention": attention, "gemv": gemv, "gemv-sweep": gemv_sweep}[args.kernel](ops, args.rounds)
 
 

@@ -87,10 +87,11 @@ TANDEM_BF16_DOT inline float max_of(const float* x, int64_t n) {
   return _mm512_reduce_max_ps(mx);
 }
 
-// x[i] <- 2^((x[i] - mx) * factor) for x[i] <= mx, i in [0, n); returns their sum. factor: log2(e) times the scores'
-// scale. The polynomial of paged_attention.cpp's exp_sum (2^f by Cephes' exp2f, f in [-1/2, 1/2]), 16 lanes a step
-// with a masked tail.
-TANDEM_BF16_DOT inline float exp_sum(float* x, int64_t n, float mx, float factor) {
+// out[i] = bf16(2^((x[i] - mx) * factor)) for x[i] <= mx, i in [0, n) (round to nearest even); returns the float32
+// sum of the unrounded values. factor: log2(e) times the scores' scale. The polynomial of paged_attention.cpp's
+// exp_sum (2^f by Cephes' exp2f, f in [-1/2, 1/2]), 16 lanes a step with a masked tail; the probabilities go out as
+// bf16 in the same pass (a second pass over the float32 values cost ~8% of a long prompt row's softmax).
+TANDEM_BF16_DOT inline float exp_sum(const float* x, int64_t n, float mx, float factor, uint16_t* out) {
   const __m512 vmx = _mm512_set1_ps(mx), vfactor = _mm512_set1_ps(factor), floor = _mm512_set1_ps(-126.f);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
@@ -108,21 +109,10 @@ TANDEM_BF16_DOT inline float exp_sum(float* x, int64_t n, float mx, float factor
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
     const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
     const __m512 e = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-    _mm512_mask_storeu_ps(x + i, m, e);
+    _mm256_mask_storeu_epi16(out + i, m, (__m256i)_mm512_cvtneps_pbh(e));
     sum = _mm512_mask_add_ps(sum, m, sum, e);
   }
   return _mm512_reduce_add_ps(sum);
-}
-
-// p[0, w) as bf16 (round to nearest even), zeros from w up to `to`
-TANDEM_BF16_DOT inline void to_bf16(const float* p, int64_t w, int64_t to, uint16_t* out) {
-  int64_t s = 0;
-  for (; s < w; s += 16) {
-    const __mmask16 m = static_cast<__mmask16>(w - s >= 16 ? 0xFFFF : (1u << (w - s)) - 1);
-    const __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, p + s));
-    _mm256_mask_storeu_epi16(out + s, m, (__m256i)h);
-  }
-  std::fill(out + w, out + to, uint16_t{0});
 }
 
 // acc[j][0, dv) = sum_s p[j][s] * value s, s in [0, w), for NB queries: value s at base + off[s]; p[j] bf16 with a

@@ -356,11 +356,11 @@ void dot_task(const uint16_t* q, int64_t q_tok, int64_t q_head, const uint16_t* 
       float* sj = scores + j * stride;
       ba::score_keys(q + i * q_tok + h * q_head, kp + g * k_head, koff, w, dk, scale, sj);
       m[j] = ba::max_of(sj, w);
-      l[j] = ba::exp_sum(sj, w, m[j], kLog2e);
+      l[j] = ba::exp_sum(sj, w, m[j], kLog2e, probs + j * stride);
     }
     if (wg == 0) continue;
     const int64_t padded = (wg + 1) / 2 * 2;  // pairs of keys: a zero probability past each query's width
-    for (int64_t j = j0; j < j1; ++j) ba::to_bf16(scores + j * stride, width_of[j], padded, probs + j * stride);
+    for (int64_t j = j0; j < j1; ++j) std::fill(probs + j * stride + width_of[j], probs + j * stride + padded, 0);
     for (int64_t j = j0; j < j1; j += 4) {
       const int64_t nb = std::min<int64_t>(4, j1 - j);
       const uint16_t* p[4];
@@ -439,9 +439,9 @@ void amx_task(const uint16_t* q, int64_t q_tok, int64_t q_head, const uint16_t* 
             const int64_t j = h * n + i0 + i;
             const float mx = bf16_attention::max_of(si, w);
             m[j] = mx * scale;
-            l[j] = bf16_attention::exp_sum(si, w, mx, scale * kLog2e);
+            l[j] = bf16_attention::exp_sum(si, w, mx, scale * kLog2e, probs + i * stride);
           }
-          bf16_attention::to_bf16(si, w, padded, probs + i * stride);
+          std::fill(probs + i * stride + w, probs + i * stride + padded, 0);
         }
         for (int64_t t0 = 0; t0 < chunks; t0 += 4) {
           const int64_t nt = std::min<int64_t>(4, chunks - t0);

@@ -3,6 +3,7 @@ side by side under their own op namespaces and called in alternating order, so a
 minutes slows both alike. The measurements behind docs/kernels.md's A/B tables.
 
     python benchmarks/native_ab.py {attention,gemv,gemv-sweep} REV [--threads 2] [--rounds 6]
+    python benchmarks/native_ab.py sdpa [--rounds 6]
 
 attention: tandem/native/paged_attention.cpp, one line per (dtype, rows x queries x keys) case over 30 layers' caches;
 gemv: tandem/native/small_gemm.cpp's small_linear, one line per (dtype, rows, [N, K]) case over 30 distinct weights
@@ -10,7 +11,8 @@ gemv: tandem/native/small_gemm.cpp's small_linear, one line per (dtype, rows, [N
 turn, cold) before and after, their ratio, and whether the outputs are identical to the bit. gemv-sweep: the same
 kernel over a whole decode's projections (SmolLM2-135M's qkv, o, gate_up and down of 30 layers in turn, twice that
 in bfloat16: ~425 MB either way, past this VM's 300 MiB L3, so the weights come from DRAM as a decode's do), one line
-per (dtype, rows), in milliseconds a sweep.
+per (dtype, rows), in milliseconds a sweep. sdpa: this tree's attention against torch's SDPA on single causal bf16
+prompt rows of 256-2,048 queries (the long rows a bf16 model on AMX sends the kernel), one line a length.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.utils.cpp_extension import load
 
 from tandem.native import ISA_FLAGS
@@ -47,6 +50,7 @@ GEMV_CASES = [(dtype, rows, n, k) for dtype, rows in ((torch.bfloat16, 1), (torc
               for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536))]
 SWEEP_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # a SmolLM2-135M layer's projections, [N, K]
 SWEEP_ROWS = (1, 2, 3, 4, 8)
+SDPA_ROWS = (256, 512, 1024, 2048)
 
 
 def native_file(rev: str | None, name: str) -> str:
@@ -127,6 +131,35 @@ def attention(ops: dict[str, Any], rounds: int) -> None:
               f"after {after:.1f} us, after / before {after / before:.2f}, identical {same}", flush=True)
 
 
+def sdpa_row(n: int, rounds: int) -> None:
+    """One causal bf16 prompt row of n queries over its n keys (SmolLM2's heads): torch's flash SDPA on the same
+    tensors ("before") against this tree's kernel ("after"; AMX tiles where the CPU has them), one layer's call."""
+    import tandem.native as native
+
+    native.enabled()
+    q, ks, vs, table, row_table, positions, out, lse = inputs(torch.bfloat16, torch.bfloat16, 1, n, n)
+    slots = (table[0].long()[:, None] * BLOCK + torch.arange(BLOCK)).flatten()[:n]  # the row's keys in order
+    qh, kh, vh = q.transpose(0, 1)[None], ks[0][slots].transpose(0, 1)[None], vs[0][slots].transpose(0, 1)[None]
+
+    def call(name: str) -> torch.Tensor:
+        if name == "before":
+            return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+        native.paged_attention(q, ks[0], vs[0], table, row_table, positions, BLOCK, 0.125, out, lse)
+        return out.clone()
+
+    times: dict[str, list[float]] = {"before": [], "after": []}
+    outs = {}
+    for r in range(rounds):
+        for name in ("before", "after") if r % 2 == 0 else ("after", "before"):
+            start = time.perf_counter()
+            outs[name] = call(name)
+            times[name].append((time.perf_counter() - start) * 1e3)
+    before, after = statistics.median(times["before"]), statistics.median(times["after"])
+    diff = (outs["before"].float() - outs["after"].float()).abs().max().item()
+    print(f"bfloat16, one causal row of {n} queries: SDPA {before:.3f} ms, native {after:.3f} ms, native / SDPA "
+          f"{after / before:.2f}, max |difference| {diff:.3f}", flush=True)
+
+
 def gemv_layers(ops: dict[str, Any], x: torch.Tensor, weights: list[torch.Tensor], name: str) -> torch.Tensor:
     return torch.stack([ops[name].small_linear(x, w, None) for w in weights])
 
@@ -160,13 +193,19 @@ def gemv_sweep(ops: dict[str, Any], rounds: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("kernel", choices=sorted(SOURCES))
-    parser.add_argument("rev", help="the commit whose kernel source is 'before'")
+    parser.add_argument("kernel", choices=[*sorted(SOURCES), "sdpa"])
+    parser.add_argument("rev", nargs="?", help="the commit whose kernel source is 'before' (sdpa: none)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=6)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    if args.kernel == "sdpa":
+        for n in SDPA_ROWS:
+            sdpa_row(n, args.rounds + 1)
+        return
+    if args.rev is None:
+        parser.error(f"{args.kernel} needs REV, the commit to compare against")
     source, helpers = SOURCES[args.kernel], HELPERS[args.kernel]
     with tempfile.TemporaryDirectory() as tmp:
         ops = {"before": build("tandem_ab_before", source, Path(tmp) / "before", args.rev, helpers),

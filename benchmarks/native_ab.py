@@ -11,8 +11,9 @@ gemv: tandem/native/small_gemm.cpp's small_linear, one line per (dtype, rows, [N
 turn, cold) before and after, their ratio, and whether the outputs are identical to the bit. gemv-sweep: the same
 kernel over a whole decode's projections (SmolLM2-135M's qkv, o, gate_up and down of 30 layers in turn, twice that
 in bfloat16: ~425 MB either way, past this VM's 300 MiB L3, so the weights come from DRAM as a decode's do), one line
-per (dtype, rows), in milliseconds a sweep. sdpa: this tree's attention against torch's SDPA on single causal bf16
-prompt rows of 256-2,048 queries (the long rows a bf16 model on AMX sends the kernel), one line a length.
+per (dtype, rows), in milliseconds a sweep. sdpa: this tree's attention against the engine's SDPA path on single bf16
+prompt rows of 256-2,048 queries, alone or as a chunk behind a longer prefix (the long rows a bf16 model on AMX sends
+the kernel), one line a row.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.utils.cpp_extension import load
 
 from tandem.native import ISA_FLAGS
@@ -50,7 +50,7 @@ GEMV_CASES = [(dtype, rows, n, k) for dtype, rows in ((torch.bfloat16, 1), (torc
               for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536))]
 SWEEP_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # a SmolLM2-135M layer's projections, [N, K]
 SWEEP_ROWS = (1, 2, 3, 4, 8)
-SDPA_ROWS = (256, 512, 1024, 2048)
+SDPA_ROWS = ((256, 256), (512, 512), (1024, 1024), (2048, 2048), (512, 4096), (2048, 8192))  # (queries, keys)
 
 
 def native_file(rev: str | None, name: str) -> str:
@@ -131,19 +131,21 @@ def attention(ops: dict[str, Any], rounds: int) -> None:
               f"after {after:.1f} us, after / before {after / before:.2f}, identical {same}", flush=True)
 
 
-def sdpa_row(n: int, rounds: int) -> None:
-    """One causal bf16 prompt row of n queries over its n keys (SmolLM2's heads): torch's flash SDPA on the same
-    tensors ("before") against this tree's kernel ("after"; AMX tiles where the CPU has them), one layer's call."""
+def sdpa_row(n: int, keys: int, rounds: int) -> None:
+    """One bf16 prompt row of n queries at the last n of `keys` positions (SmolLM2's heads): the engine's SDPA path
+    for a long row (tandem/attention/causal_rows.py: flash SDPA on the causal diagonal, and on the prefix, merged;
+    "before") against this tree's kernel ("after"; AMX tiles where the CPU has them), one layer's call."""
     import tandem.native as native
+    from tandem.attention.causal_rows import causal_row_attention
 
     native.enabled()
-    q, ks, vs, table, row_table, positions, out, lse = inputs(torch.bfloat16, torch.bfloat16, 1, n, n)
-    slots = (table[0].long()[:, None] * BLOCK + torch.arange(BLOCK)).flatten()[:n]  # the row's keys in order
-    qh, kh, vh = q.transpose(0, 1)[None], ks[0][slots].transpose(0, 1)[None], vs[0][slots].transpose(0, 1)[None]
+    q, ks, vs, table, row_table, positions, out, lse = inputs(torch.bfloat16, torch.bfloat16, 1, n, keys)
+    slots = (table[0].long()[:, None] * BLOCK + torch.arange(BLOCK)).flatten()[:keys]  # the row's keys in order
+    qh, kh, vh = q.transpose(0, 1), ks[0][slots].transpose(0, 1), vs[0][slots].transpose(0, 1)
 
     def call(name: str) -> torch.Tensor:
         if name == "before":
-            return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+            return causal_row_attention(qh, kh, vh, 0.125).transpose(0, 1)
         native.paged_attention(q, ks[0], vs[0], table, row_table, positions, BLOCK, 0.125, out, lse)
         return out.clone()
 
@@ -156,8 +158,8 @@ def sdpa_row(n: int, rounds: int) -> None:
             times[name].append((time.perf_counter() - start) * 1e3)
     before, after = statistics.median(times["before"]), statistics.median(times["after"])
     diff = (outs["before"].float() - outs["after"].float()).abs().max().item()
-    print(f"bfloat16, one causal row of {n} queries: SDPA {before:.3f} ms, native {after:.3f} ms, native / SDPA "
-          f"{after / before:.2f}, max |difference| {diff:.3f}", flush=True)
+    print(f"bfloat16, one row of {n} queries over {keys} keys: SDPA {before:.3f} ms, native {after:.3f} ms, "
+          f"native / SDPA {after / before:.2f}, max |difference| {diff:.3f}", flush=True)
 
 
 def gemv_layers(ops: dict[str, Any], x: torch.Tensor, weights: list[torch.Tensor], name: str) -> torch.Tensor:
@@ -201,8 +203,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     if args.kernel == "sdpa":
-        for n in SDPA_ROWS:
-            sdpa_row(n, args.rounds + 1)
+        for n, keys in SDPA_ROWS:
+            sdpa_row(n, keys, args.rounds + 1)
         return
     if args.rev is None:
         parser.error(f"{args.kernel} needs REV, the commit to compare against")

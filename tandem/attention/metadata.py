@@ -233,14 +233,15 @@ def build_attention_metadata(positions: torch.Tensor, query_start_loc_cpu: torch
 
 def _native_long_rows(long_rows: list[LongRow], long_ids: list[int],
                       qsl: torch.Tensor) -> tuple[list[LongRow], torch.Tensor | None]:
-    """Mark the long rows the native kernel can take whole (one piece, at most NATIVE_PROMPT_TOKENS queries, keys
-    not behind a shared long prefix) -> (the rows, marked; their [R, 5] kernel rows, or None)."""
+    """Mark the long rows the native kernel can take whole (one piece, at most NATIVE_PROMPT_TOKENS queries or a
+    longer row its AMX tiles take, keys not behind a shared long prefix) -> (the rows, marked; their [R, 5] kernel
+    rows, or None)."""
     row_of = {int(qsl[i]): i for i in long_ids}
-    cap = native.prompt_row_queries(NATIVE_PROMPT_TOKENS)
     picked, marked = [], []
     for lr in long_rows:
         (p, *more) = lr.pieces
-        if not more and not lr.shares_prefix and p.num_queries <= cap:
+        if not more and not lr.shares_prefix and (p.num_queries <= NATIVE_PROMPT_TOKENS
+                                                  or native.tiles_long_row(p.num_queries, p.seq_len)):
             picked.append([row_of[p.token_start], p.token_start, p.num_queries, p.seq_len, 0])
             lr = dataclasses.replace(lr, native=True)
         marked.append(lr)

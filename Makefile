@@ -40,12 +40,13 @@ run-smollm2: $(SMOLLM2)/config.json
 		-p '$(call CHAT,A baker made 24 muffins and sold 3/4 of them. How many muffins are left?)' \
 		-p '$(call CHAT,Give me three tips for a first camping trip.)'
 
-# An EAGLE-3 draft head for SmolLM2-135M-Instruct, self-distilled on 2 CPU cores in five stages (docs/eagle3.md):
+# An EAGLE-3 draft head for SmolLM2-135M-Instruct, self-distilled on 2 CPU cores in six stages (docs/eagle3.md):
 # a head on 1,536 prompts (about an hour), continued from it on 6,144 (about three hours: generation, features,
 # 614 steps), then on 4,096 more written in bfloat16 with another seed (about an hour on a bf16 machine), then on
 # 5,120 more whose GSM8K questions no earlier stage saw (about 80 minutes), then on 4,096 more (renumbered GSM8K
-# questions and Magpie) replayed with stages 3-4's data (about 110 minutes). Reruns resume from
-# build/smollm2-eagle3{,-big,-s3,-s4,-s5}-work. The result is copied into tandem/assets, with every stage's log.
+# questions and Magpie) replayed with stages 3-4's data (about 110 minutes), then on 4,096 more (mostly Magpie)
+# replayed with stages 3-5's (about 105 minutes). Reruns resume from
+# build/smollm2-eagle3{,-big,-s3,-s4,-s5,-s6}-work. The result is copied into tandem/assets, with every stage's log.
 # Stage 1 predates the target-layer init (--init-layer random keeps it).
 DRAFT_SMOLLM2_ARGS := --num-prompts 1536 --max-tokens 256 --epochs 3 --threads 2 --max-hours 1.0 --init-layer random
 DRAFT_SMOLLM2_BIG_ARGS := --num-prompts 6144 --max-tokens 256 --epochs 3 --threads 2 --lr 6e-4 --max-steps 614
@@ -59,6 +60,10 @@ DRAFT_SMOLLM2_S4_ARGS := --num-prompts 5120 --magpie-share 0.4 --max-tokens 256 
 # with stages 3-4's answers (3.62M tokens); 1,736 steps is the length --max-hours 1.85 fitted
 DRAFT_SMOLLM2_S5_ARGS := --num-prompts 4096 --magpie-share 0.4 --max-tokens 256 --epochs 2 --threads 2 --lr 6e-4 \
 	--seed 2 --renumber --distill-dtype bfloat16 --max-steps 1736
+# stage 6: 1,229 renumbered GSM8K questions (another seed) and 2,867 new Magpie requests, trained together with
+# stages 3-5's answers (4.72M tokens); 2,288 steps is the length --max-hours 1.75 fitted
+DRAFT_SMOLLM2_S6_ARGS := --num-prompts 4096 --magpie-share 0.7 --max-tokens 256 --epochs 2 --threads 2 --lr 6e-4 \
+	--seed 3 --renumber --distill-dtype bfloat16 --max-steps 2288
 train-draft-smollm2: $(SMOLLM2)/config.json
 	$(BIN)/tandem train draft-head $(SMOLLM2) --out build/smollm2-eagle3 $(DRAFT_SMOLLM2_ARGS)
 	$(BIN)/tandem train draft-head $(SMOLLM2) --out build/smollm2-eagle3-big --init-from build/smollm2-eagle3 \
@@ -69,9 +74,13 @@ train-draft-smollm2: $(SMOLLM2)/config.json
 		--exclude-data build/smollm2-eagle3-s3-work $(DRAFT_SMOLLM2_S4_ARGS)
 	$(BIN)/tandem train draft-head $(SMOLLM2) --out build/smollm2-eagle3-s5 --init-from build/smollm2-eagle3-s4 \
 		--reuse-data build/smollm2-eagle3-s3-work build/smollm2-eagle3-s4-work $(DRAFT_SMOLLM2_S5_ARGS)
+	$(BIN)/tandem train draft-head $(SMOLLM2) --out build/smollm2-eagle3-s6 --init-from build/smollm2-eagle3-s5 \
+		--reuse-data build/smollm2-eagle3-s3-work build/smollm2-eagle3-s4-work build/smollm2-eagle3-s5-work \
+		$(DRAFT_SMOLLM2_S6_ARGS)
 	mkdir -p tandem/assets/smollm2-135m-instruct-eagle3
-	cp build/smollm2-eagle3-s5/config.json build/smollm2-eagle3-s5/model.safetensors \
-		build/smollm2-eagle3-s5/train_log.jsonl tandem/assets/smollm2-135m-instruct-eagle3/
+	cp build/smollm2-eagle3-s6/config.json build/smollm2-eagle3-s6/model.safetensors \
+		build/smollm2-eagle3-s6/train_log.jsonl tandem/assets/smollm2-135m-instruct-eagle3/
+	cp build/smollm2-eagle3-s5/train_log.jsonl tandem/assets/smollm2-135m-instruct-eagle3/train_log_stage5.jsonl
 	cp build/smollm2-eagle3-s4/train_log.jsonl tandem/assets/smollm2-135m-instruct-eagle3/train_log_stage4.jsonl
 	cp build/smollm2-eagle3-s3/train_log.jsonl tandem/assets/smollm2-135m-instruct-eagle3/train_log_stage3.jsonl
 	cp build/smollm2-eagle3-big/train_log.jsonl tandem/assets/smollm2-135m-instruct-eagle3/train_log_stage2.jsonl

@@ -2,7 +2,7 @@
 side by side under their own op namespaces and called in alternating order, so a machine whose speed drifts between
 minutes slows both alike. The measurements behind docs/kernels.md's A/B tables.
 
-    python benchmarks/native_ab.py {attention,gemv,gemv-sweep} REV [--threads 2] [--rounds 6]
+    python benchmarks/native_ab.py {attention,gemv,gemv-sweep,amx-sweep} REV [--threads 2] [--rounds 6]
     python benchmarks/native_ab.py sdpa [--rounds 6]
 
 attention: tandem/native/paged_attention.cpp, one line per (dtype, rows x queries x keys) case over 30 layers' caches;
@@ -11,7 +11,9 @@ gemv: tandem/native/small_gemm.cpp's small_linear, one line per (dtype, rows, [N
 turn, cold) before and after, their ratio, and whether the outputs are identical to the bit. gemv-sweep: the same
 kernel over a whole decode's projections (SmolLM2-135M's qkv, o, gate_up and down of 30 layers in turn, twice that
 in bfloat16: ~425 MB either way, past this VM's 300 MiB L3, so the weights come from DRAM as a decode's do), one line
-per (dtype, rows), in milliseconds a sweep. sdpa: this tree's attention against the engine's SDPA path on single bf16
+per (dtype, rows), in milliseconds a sweep. amx-sweep: tandem/native/amx_gemm.cpp's amx_linear (a CPU with AMX-BF16)
+over the same bf16 sweep and, apart, SmolLM2-135M's LM head, at the rows of a decode batch and its verification
+(32-128), one line per (weights, rows). sdpa: this tree's attention against the engine's SDPA path on single bf16
 prompt rows of 256-2,048 queries, alone or as a chunk behind a longer prefix (the long rows a bf16 model on AMX sends
 the kernel), one line a row.
 """
@@ -35,9 +37,11 @@ from tandem.native import ISA_FLAGS
 
 NATIVE = Path(__file__).resolve().parent.parent / "tandem" / "native"
 LAYERS, BLOCK = 30, 16
-SOURCES = {"attention": "paged_attention.cpp", "gemv": "small_gemm.cpp", "gemv-sweep": "small_gemm.cpp"}
+SOURCES = {"attention": "paged_attention.cpp", "gemv": "small_gemm.cpp", "gemv-sweep": "small_gemm.cpp",
+           "amx-sweep": "amx_gemm.cpp"}
 # sources a kernel calls into (silu_mul; amx_ready), where the revision has them
-HELPERS = {"attention": ("amx_gemm.cpp",), "gemv": ("elementwise.cpp",), "gemv-sweep": ("elementwise.cpp",)}
+HELPERS = {"attention": ("amx_gemm.cpp",), "gemv": ("elementwise.cpp",), "gemv-sweep": ("elementwise.cpp",),
+           "amx-sweep": ()}
 # (queries' dtype, cache's dtype, rows, queries a row, keys a row): SmolLM2's heads (9 query / 3 KV heads x 64)
 CASES = [(torch.bfloat16, torch.bfloat16, 32, 1, 80), (torch.bfloat16, torch.bfloat16, 32, 1, 512),
          (torch.bfloat16, torch.bfloat16, 1, 1, 2048), (torch.bfloat16, torch.bfloat16, 32, 64, 64),
@@ -50,6 +54,7 @@ GEMV_CASES = [(dtype, rows, n, k) for dtype, rows in ((torch.bfloat16, 1), (torc
               for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536))]
 SWEEP_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # a SmolLM2-135M layer's projections, [N, K]
 SWEEP_ROWS = (1, 2, 3, 4, 8)
+AMX_ROWS = (32, 48, 64, 96, 128)  # a batch-32 decode and its verification at K = 1..3
 SDPA_ROWS = ((256, 256), (512, 512), (1024, 1024), (2048, 2048), (512, 4096), (2048, 8192))  # (queries, keys)
 
 
@@ -193,6 +198,26 @@ def gemv_sweep(ops: dict[str, Any], rounds: int) -> None:
                   f"identical {same}", flush=True)
 
 
+def amx_sweep(ops: dict[str, Any], rounds: int) -> None:
+    from tandem.native import amx_pack
+
+    weights = [amx_pack((torch.randn(n, k) * k ** -0.5).bfloat16()) for _ in range(2 * LAYERS)
+               for n, k in SWEEP_SHAPES]
+    lm_head = [amx_pack((torch.randn(49152, 576) * 576 ** -0.5).bfloat16())]
+    for label, packed in ((f"{len(weights)} projections", weights), ("LM head [49152, 576]", lm_head)):
+        for rows in AMX_ROWS:
+            xs = {k: torch.randn(rows, k).bfloat16() for k in (576, 1536)}
+
+            def sweep(name: str, xs: dict[int, torch.Tensor] = xs, packed: list[torch.Tensor] = packed,
+                      ) -> torch.Tensor:
+                return torch.cat([ops[name].amx_linear(xs[p.shape[1] * 2], p, None).flatten() for p in packed])
+
+            before, after, same = alternate(rounds, sweep)
+            scale = LAYERS / 1e3  # alternate() divides by LAYERS: back to one sweep, in ms
+            print(f"bfloat16, {rows} rows, {label}: before {before * scale:.2f} ms, after {after * scale:.2f} ms, "
+                  f"after / before {after / before:.2f}, identical {same}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("kernel", choices=[*sorted(SOURCES), "sdpa"])
@@ -212,7 +237,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ops = {"before": build("tandem_ab_before", source, Path(tmp) / "before", args.rev, helpers),
                "after": build("tandem_ab_after", source, Path(tmp) / "after", None, helpers)}
-    {"attention": attention, "gemv": gemv, "gemv-sweep": gemv_sweep}[args.kernel](ops, args.rounds)
+    {"attention": attention, "gemv": gemv, "gemv-sweep": gemv_sweep, "amx-sweep": amx_sweep}[args.kernel](
+        ops, args.rounds)
 
 
 if __name__ == "__main__":

@@ -189,6 +189,7 @@ def test_no_ignore_eos_stops_each_row_at_its_end_of_turn(target_and_head, tmp_pa
         assert r["tokens_equal_no_spec"], r
         assert written[r["k"]] == pytest.approx(written[None]), r
 
+
 @pytest.mark.parametrize("extra, flag", [
     (["--k", "0"], "--k '0'"),
     (["--k", "two"], "--k 'two'"),

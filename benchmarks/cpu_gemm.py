@@ -3,6 +3,7 @@ measurements behind PACK_MIN_ELEMENTS and ANY_ROWS_ELEMENTS.
 
     python benchmarks/cpu_gemm.py [--threads 2] [--dtype float32] [--rows 1 2 4 8 16 32 128]
     python benchmarks/cpu_gemm.py --amx-sweep [--rows 5 8 16 32 48 64 128]
+    python benchmarks/cpu_gemm.py --panels [--rows 1 2 4 8 32 128 1024]
 
 Prints one line per [N, K] weight (the bundled model's and SmolLM2-135M's projections by default): microseconds
 per call, F.linear / packed, best of 3 rounds, one process, nothing else running.
@@ -11,6 +12,10 @@ per call, F.linear / packed, best of 3 rounds, one process, nothing else running
 over a whole decode's projections twice (SmolLM2-135M's qkv, o, gate_up and down of 60 layers in turn, ~425 MB, past
 a 300 MiB L3, so cold as a decode's), the two alternating, median of 7: one line per row count, ms a sweep and GB/s
 (the measurements behind AMX_MAX_ROWS).
+
+--panels: the bfloat16 panel GEMM (tandem/native/panel_gemm.cpp, what a CPU without bf16 dot products runs) beside
+float32 (F.linear, oneDNN packed) and bfloat16 F.linear and the small-row kernel's widening path, SmolLM2-135M's
+projections and LM head, warm: microseconds per call, best of 3 rounds.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -69,14 +75,41 @@ def amx_sweep(row_counts: list[int]) -> None:
             print(f"{rows} rows: " + ", ".join(cells), flush=True)
 
 
+def panels(row_counts: list[int]) -> None:
+    if not native.panels_available():
+        raise SystemExit("--panels: the native kernels are not built for this CPU (x86 with avx2)")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}"
+          "; us per call: float32 F.linear | float32 packed | bf16 F.linear | bf16 small-row | bf16 panels")
+    with torch.inference_mode():
+        for n, k in SHAPES[5:]:
+            w = torch.randn(n, k) * k**-0.5
+            w16 = w.bfloat16()
+            packed, panel = torch.ops.mkldnn._reorder_linear_weight(w, DECODE_ROWS_HINT), native.panel_pack(w16)
+            for rows in row_counts:
+                x = torch.randn(rows, k)
+                x16 = x.bfloat16()
+                calls = max(3, int(2e8 // (n * k * max(rows, 8))))
+                fns = [partial(F.linear, x, w),
+                       partial(torch.ops.mkldnn._linear_pointwise, x, packed, None, "none", [], ""),
+                       partial(F.linear, x16, w16) if rows <= 128 else None,
+                       partial(native.small_linear, x16, w16, None) if rows <= 4 else None,
+                       partial(native.panel_linear, x16, panel, n, None)]
+                cells = [best_us(fn, calls) if fn is not None else float("nan") for fn in fns]
+                print(f"[{n}, {k}] {rows:5d} rows  " + " | ".join(f"{c:9.1f}" for c in cells), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--rows", type=int, nargs="+", default=None)
     parser.add_argument("--amx-sweep", action="store_true")
+    parser.add_argument("--panels", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.panels:
+        panels(args.rows or [1, 2, 4, 8, 32, 128, 1024])
+        return
     if args.amx_sweep:
         amx_sweep(args.rows or [5, 8, 16, 32, 48, 64, 128])
         return

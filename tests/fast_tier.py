@@ -31,6 +31,7 @@ FAST_FILES = (
     "tests/test_moe_paths.py",
     "tests/test_mtp_catch_up.py",
     "tests/test_native_amx_gemm.py",
+    "tests/test_native_panel_gemm.py",
     "tests/test_native_build.py",
     "tests/test_native_elementwise.py",
     "tests/test_native_small_gemm.py",

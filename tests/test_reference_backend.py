@@ -71,5 +71,5 @@ def test_reference_backend_pcp2_matches_single_rank(tiny_checkpoints, arch):
     for i, (got, ref) in enumerate(zip(logprobs, ref_logprobs, strict=True)):
         ids = sorted(ref)
         diff = (torch.tensor([got[t] for t in ids]) - torch.tensor([ref[t] for t in ids])).abs().max().item()
-        assert diff < PCP_LOGPROB_TOL, f"{arch} pcp2 on {BACKEND[arch]}: prompt {i} final-position log-probs differ by " \
-            f"{diff:.2e}"
+        assert diff < PCP_LOGPROB_TOL, \
+            f"{arch} pcp2 on {BACKEND[arch]}: prompt {i} final-position log-probs differ by {diff:.2e}"

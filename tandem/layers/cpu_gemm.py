@@ -10,8 +10,11 @@ avx2, float32, one [N, K] weight; benchmarks/cpu_gemm.py): SmolLM2's MLP gate_up
 Eager mode packs every linear weight; compiled mode (whose freezing packs the pieces it compiles) only the LM head,
 which runs outside them. The plain weight stays where it was (tied embeddings, MLA's absorbed kv_b and the compiled
 pieces read it), so the packed copy is extra memory: about the model's linear weights once more in eager mode.
-bfloat16 packs only where oneDNN has a bf16 path on this CPU (avx512bw/vl/dq or avx_ne_convert); elsewhere, and
-for other dtypes, the layer keeps F.linear. Where it packs, it packs from BF16_PACK_MIN_ELEMENTS on, one row included.
+bfloat16 packs for oneDNN only where oneDNN has a bf16 path on this CPU (avx512bw/vl/dq or avx_ne_convert). On a
+CPU without bf16 dot products (no avx512_bf16, no AMX: avx2 machines) torch's bf16 matmul is a generic loop, 4-8x
+slower than float32's sgemm at 8-128 rows, so with the native kernels on every bf16 weight goes into
+tandem/native/panel_gemm.cpp's panels instead, which serve every row count (float32 FMA on weights widened in
+registers: at or under float32's packed GEMM from 1 to 128 rows, within 1.1x of it at 1,024). Where it packs, it packs from BF16_PACK_MIN_ELEMENTS on, one row included.
 
 A packed call costs ~50 us of fixed dispatch, so small GEMMs stay on F.linear (benchmarks/cpu_gemm.py measures
 both over weight shapes x rows): weights under PACK_MIN_ELEMENTS are not packed (the bundled model's 256-wide
@@ -56,7 +59,8 @@ SMALL_ROWS = 16 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 4
 # 15.6/19.9, 4 rows 18.0/20.6, 6 rows 22.8/20.9 (oneDNN's AMX GEMM stays at one read of the weights there)
 SMALL_ROWS_PACKED = 8
 # bfloat16 on a CPU with bf16 dot products: up to 4 rows (the avx512_bf16 dot products above); elsewhere the
-# widening path serves one row (a batch-1 decode), where oneDNN's bf16 GEMM has no native path either
+# widening path serves one row of a weight not packed into panels (the panels serve every row, one included: 26 vs
+# 60 us for SmolLM2's qkv, 1.5 vs 2.7 ms for its LM head on an avx2 AMD EPYC, warm)
 SMALL_ROWS_BF16 = 4 if torch.cpu._is_avx512_bf16_supported() else 1
 # Weights past 16 MiB of float32 (LM heads) go native up to 4 rows (a decode, a K = 3 verification), oneDNN past
 # that. Measured (Intel Xeon with AMX, 2 threads, ms a call, native / oneDNN packed): SmolLM2's [49152, 576] float32
@@ -88,6 +92,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     limit = SMALL_ROWS_BF16 if weight.dtype == torch.bfloat16 else SMALL_ROWS_PACKED if packs else SMALL_ROWS
     if weight.numel() > SMALL_MAX_ELEMENTS:
         limit = min(limit, SMALL_ROWS_BIG)
+    if packed is not None and packed.dim() == 3:  # panel_pack's layout: bf16 rows of any count on the panels
+        if native.serves_gemm(x, weight):
+            return native.panel_linear(x.reshape(rows, x.shape[-1]), packed, weight.shape[0], bias) \
+                .view(*x.shape[:-1], weight.shape[0])
+        return F.linear(x, weight, bias)
     if rows <= limit and weight.is_contiguous() \
             and native.serves_gemm(x, weight):
         return native.small_linear(x.reshape(rows, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
@@ -110,7 +119,9 @@ def _native_bf16(dtype: torch.dtype) -> bool:
 def prepack(weight: torch.Tensor, amx: bool = False) -> torch.Tensor | None:
     """weight [N, K] -> the same in oneDNN's blocked layout, or None where oneDNN cannot run it here. amx (the
     native kernels on): a bfloat16 weight whose shape AMX's tiles take goes into their layout instead, on a CPU with
-    AMX-BF16."""
+    AMX-BF16; on a CPU without bf16 dot products, every bfloat16 weight goes into panel_gemm.cpp's panels."""
+    if amx and _panel_fits(weight):
+        return native.panel_pack(weight)
     min_elements = BF16_PACK_MIN_ELEMENTS if _native_bf16(weight.dtype) else PACK_MIN_ELEMENTS
     if weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES or weight.dim() != 2 \
             or weight.numel() < min_elements:
@@ -133,6 +144,13 @@ def _amx_fits(weight: torch.Tensor) -> bool:
         and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0 and native.amx_available()
 
 
+def _panel_fits(weight: torch.Tensor) -> bool:
+    """A bfloat16 [N, K] CPU weight on a CPU without bf16 dot products (no avx512_bf16, no AMX), where oneDNN has no
+    bf16 GEMM and torch's falls back to a generic loop, and the native kernels are built."""
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2 \
+        and not _CPU_HAS_BF16_DOT and native.panels_available()
+
+
 def prepack_linears(model: nn.Module, lm_head_only: bool, amx: bool = False) -> int:
     """Pack the weight of every module that declares `packed_weight` (the linear layers and the LM head), or only
     the LM head's; returns how many were packed. amx: bfloat16 weights into AMX's layout where the CPU has it
@@ -143,8 +161,9 @@ def prepack_linears(model: nn.Module, lm_head_only: bool, amx: bool = False) -> 
     for module in model.modules():
         if not hasattr(module, "packed_weight"):
             continue
-        if lm_head_only and not isinstance(module, ParallelLMHead) and not (amx and _amx_fits(module.weight)):
-            continue  # inside compiled pieces inductor's freezing packs for oneDNN; AMX's layout is ours to make
+        if lm_head_only and not isinstance(module, ParallelLMHead) \
+                and not (amx and (_amx_fits(module.weight) or _panel_fits(module.weight))):
+            continue  # inside compiled pieces inductor's freezing packs for oneDNN; AMX's and the panels' are ours
         module.packed_weight = prepack(module.weight, amx)
         count += module.packed_weight is not None
     return count

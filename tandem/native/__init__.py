@@ -12,6 +12,9 @@
   weight streamed once for every row; MKL's sgemm costs twice its gemv from two rows on. And a MoE layer's routed
   experts over only the chosen (token, expert) pairs, each expert's weights streamed once for its rows: the PyTorch
   paths run every expert densely (E / K times the work) or loop over experts with a dispatch per matmul.
+- amx_gemm.cpp / panel_gemm.cpp: bfloat16 linears of many rows where oneDNN's bf16 GEMM falls short: on AMX tiles
+  (decode batches, streaming each weight once), and on CPUs without bf16 dot products (avx2), where torch's bf16
+  matmul is a generic loop, float32 FMA on weights widened in registers.
 
 vLLM's CPU backend has its own C++ ops for the same reasons. The extension is compiled with torch's C++ extension
 builder (the C++ compiler and ninja that inductor's CPU code generation needs too), cached under torch's extensions
@@ -39,13 +42,13 @@ from tandem import envs
 log = logging.getLogger("tandem")
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "elementwise.cpp", "small_gemm.cpp",
-                                                          "amx_gemm.cpp")]
+                                                          "amx_gemm.cpp", "panel_gemm.cpp")]
 # headers the sources include: torch's builder re-builds a cached extension when its sources or flags change, not its
 # headers, so their checksum goes into the flags
 _HEADERS = [Path(__file__).with_name(name)
             for name in ("vec16.h", "attention_bf16.h", "attention_amx.h", "amx_tiles.h")]
 _OPS = ("paged_attention", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary", "argmax_rows", "small_linear",
-        "small_linear_isa", "moe_experts", "amx_linear")
+        "small_linear_isa", "moe_experts", "amx_linear", "panel_linear")
 ISA_FLAGS = {"AVX2": ["-mavx2", "-mfma", "-mf16c"],
              "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"]}
 _lock = threading.Lock()
@@ -221,6 +224,10 @@ def _register_fakes() -> None:
     def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return x.new_empty(x.shape[0], packed.shape[0] * 16)
 
+    @torch.library.register_fake("tandem_native::panel_linear")
+    def _(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+        return x.new_empty(x.shape[0], n)
+
 
 def serves(x: torch.Tensor, *params: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,),
            in_compiled: bool = False) -> bool:
@@ -323,6 +330,28 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None)
     """x: [M, K] bf16 (K contiguous); packed: amx_pack(weight); bias: [N] or None -> a new [M, N] bf16, float32
     sums rounded once (amx_gemm.cpp)."""
     return torch.ops.tandem_native.amx_linear(x, packed, bias)
+
+
+def panels_available() -> bool:
+    """Whether panel_linear runs here: the kernels are built on an x86 CPU with avx2 and FMA (their baseline)."""
+    return _load() and torch.backends.cpu.get_cpu_capability() in ISA_FLAGS
+
+
+def panel_pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] bf16 -> [ceil(N / 16), K, 16]: for each panel of 16 output columns and each k, the panel's
+    weights in one piece, columns j and 8 + j side by side (panel_gemm.cpp's layout; N padded with zeros)."""
+    n, k = weight.shape
+    pad = -n % 16
+    w = weight.detach()
+    if pad:
+        w = torch.cat([w, w.new_zeros(pad, k)])
+    return w.reshape(-1, 2, 8, k).permute(0, 3, 2, 1).reshape(-1, k, 16)
+
+
+def panel_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x: [M, K] bf16 (K contiguous); packed: panel_pack(weight [n, K]); bias: [n] or None -> a new [M, n] bf16:
+    float32 FMA on the widened weights, each output one chain over k in order, rounded once (panel_gemm.cpp)."""
+    return torch.ops.tandem_native.panel_linear(x, packed, n, bias)
 
 
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,

@@ -151,3 +151,38 @@ def test_unparsable_flag_exits_2_naming_it(extra, flag, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert flag in err, err
+
+
+@pytest.mark.usefixtures("native_kernels")
+def test_bf16_gemm_limit_times_what_bf16_linears_run(monkeypatch):
+    """On a CPU without bf16 dot products the bf16 GEMM limit times the panel GEMM that cpu_gemm runs there (torch's
+    bf16 matmul is a generic loop: minutes at the default size), elsewhere torch's matmul; the panels compute a @ b."""
+    import torch
+
+    from tandem import native
+    from tandem.bench.machine import gemm_flops_per_s
+    from tandem.layers import cpu_gemm
+
+    if not native.panels_available():
+        pytest.skip("the native kernels are not built for this CPU")
+    assert cpu_gemm.bf16_on_panels() == \
+        (not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()))
+    calls = []
+    real = native.panel_linear
+
+    def spy(x, packed, n, bias):
+        out = real(x, packed, n, bias)
+        calls.append((x, packed, out))
+        return out
+
+    monkeypatch.setattr(native, "panel_linear", spy)
+    for on_panels in (True, False):
+        monkeypatch.setattr(cpu_gemm, "bf16_on_panels", lambda v=on_panels: v)
+        calls.clear()
+        assert gemm_flops_per_s(2, 64, torch.bfloat16) > 0
+        assert bool(calls) == on_panels
+        if on_panels:
+            x, packed, out = calls[-1]
+            weight = packed.reshape(-1, 64, 8, 2).permute(0, 3, 2, 1).reshape(-1, 64)  # panel_pack undone: b^T
+            want = x.double() @ weight.double().T
+            assert float((out.double() - want).abs().max()) <= 2**-7 * float(want.abs().max())

@@ -80,12 +80,25 @@ STREAM_MIB = 256  # the float32 tensor a memory-stream read sums: several times 
 
 
 def gemm_flops_per_s(repeats: int = 3, n: int = GEMM_N, dtype: torch.dtype = torch.float32) -> float:
-    """FLOP/s of an [n x n] @ [n x n] product in `dtype` on the current torch threads, best of `repeats`."""
+    """FLOP/s of an [n x n] @ [n x n] product in `dtype` on the current torch threads, best of `repeats`. bfloat16 on
+    a CPU without bf16 dot products runs tandem's panel GEMM, which its bf16 linears run there: torch's bf16 matmul
+    is a generic loop on such CPUs (minutes at n = 2048, and no limit of anything the engine runs)."""
+    from tandem import native
+    from tandem.layers import cpu_gemm
+
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    if dtype == torch.bfloat16 and cpu_gemm.bf16_on_panels():
+        packed = native.panel_pack(b.T.contiguous())  # b^T as an [N, K] weight: a @ b = a b^T^T
+
+        def product() -> torch.Tensor:
+            return native.panel_linear(a, packed, n, None)
+    else:
+        def product() -> torch.Tensor:
+            return a @ b
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        a @ b
+        product()
         best = min(best, time.perf_counter() - start)
     return 2 * n**3 / best
 

@@ -10,11 +10,12 @@ avx2, float32, one [N, K] weight; benchmarks/cpu_gemm.py): SmolLM2's MLP gate_up
 Eager mode packs every linear weight; compiled mode (whose freezing packs the pieces it compiles) only the LM head,
 which runs outside them. The plain weight stays where it was (tied embeddings, MLA's absorbed kv_b and the compiled
 pieces read it), so the packed copy is extra memory: about the model's linear weights once more in eager mode.
-bfloat16 packs for oneDNN only where oneDNN has a bf16 path on this CPU (avx512bw/vl/dq or avx_ne_convert). On a
-CPU without bf16 dot products (no avx512_bf16, no AMX: avx2 machines) torch's bf16 matmul is a generic loop, 4-8x
-slower than float32's sgemm at 8-128 rows, so with the native kernels on every bf16 weight goes into
-tandem/native/panel_gemm.cpp's panels instead, which serve every row count (float32 FMA on weights widened in
-registers: at or under float32's packed GEMM from 1 to 128 rows, within 1.1x of it at 1,024). Where it packs, it packs from BF16_PACK_MIN_ELEMENTS on, one row included.
+bfloat16 packs for oneDNN only where oneDNN has a bf16 path on this CPU (avx512bw/vl/dq or avx_ne_convert), from
+BF16_PACK_MIN_ELEMENTS on, one row included. On a CPU without bf16 dot products (no avx512_bf16, no AMX: avx2
+machines) torch's bf16 matmul is a generic loop, 4-8x slower than float32's sgemm at 8-128 rows, so with the native
+kernels on every bf16 weight goes into tandem/native/panel_gemm.cpp's panels instead, which serve every row count
+(float32 FMA on weights widened in registers: at or under float32's packed GEMM from 1 to 128 rows, within 1.1x of
+it at 1,024).
 
 A packed call costs ~50 us of fixed dispatch, so small GEMMs stay on F.linear (benchmarks/cpu_gemm.py measures
 both over weight shapes x rows): weights under PACK_MIN_ELEMENTS are not packed (the bundled model's 256-wide
@@ -144,11 +145,16 @@ def _amx_fits(weight: torch.Tensor) -> bool:
         and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0 and native.amx_available()
 
 
+def bf16_on_panels() -> bool:
+    """Whether bfloat16 linears run on tandem/native/panel_gemm.cpp here: a CPU without bf16 dot products (no
+    avx512_bf16, no AMX), where oneDNN has no bf16 GEMM and torch's falls back to a generic loop, with the native
+    kernels built."""
+    return not _CPU_HAS_BF16_DOT and native.panels_available()
+
+
 def _panel_fits(weight: torch.Tensor) -> bool:
-    """A bfloat16 [N, K] CPU weight on a CPU without bf16 dot products (no avx512_bf16, no AMX), where oneDNN has no
-    bf16 GEMM and torch's falls back to a generic loop, and the native kernels are built."""
-    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2 \
-        and not _CPU_HAS_BF16_DOT and native.panels_available()
+    """A bfloat16 [N, K] CPU weight where bf16_on_panels()."""
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2 and bf16_on_panels()
 
 
 def prepack_linears(model: nn.Module, lm_head_only: bool, amx: bool = False) -> int:

@@ -124,16 +124,19 @@ def test_ranks_exit_when_the_engine_process_is_killed_while_they_are_blocked(tin
               "llm.generate([{'prompt_token_ids': [5, 6, 7]}], SamplingParams(max_tokens=2), use_tqdm=False)\n")
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "TANDEM_NATIVE_KERNELS": "1",
            "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    log = tmp_path / "stderr.txt"
+    with log.open("w") as err:
+        proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.DEVNULL, stderr=err)
     ranks: list[int] = []
     try:
-        deadline = time.monotonic() + 60
-        while len(ranks := descendants(proc.pid)) < 2 and time.monotonic() < deadline:
+        # the ranks start up, take the first step and reach the lock, where each says it waits; a rank that has not
+        # reached it yet would end through its closed pipe instead, so this wait is what makes the test tell the two
+        # apart (a fixed 8 s sleep did not, on a loaded 2-core machine)
+        deadline = time.monotonic() + 120
+        while log.read_text().count("waiting for another process's build") < 2 and time.monotonic() < deadline \
+                and proc.poll() is None:
             time.sleep(0.2)
-        # the ranks start up (~3 s here), take the first step and reach the lock; a rank that has not reached it
-        # yet ends through its closed pipe instead, so this wait is what makes the test tell the two apart
-        time.sleep(8)
+        assert log.read_text().count("waiting for another process's build") >= 2, log.read_text()[-2000:]
         ranks = descendants(proc.pid)
         assert len(ranks) >= 2 and proc.poll() is None, "the engine did not start its ranks"
         proc.kill()

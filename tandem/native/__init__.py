@@ -198,7 +198,12 @@ def await_build_lock(name: str, max_age_s: float = STALE_BUILD_LOCK_S, poll_s: f
     torch's builder would wait on it with no limit, and a build killed a moment ago leaves a fresh one (an engine
     that arrived then hung in its first step for as long as anyone waited)."""
     lock = _build_lock(name)
+    said = False
     while lock is not None and lock.exists() and not clear_stale_build_lock(name, max_age_s):
+        if not said:  # one line, so a wait of minutes is never silent
+            print(f"tandem: waiting for another process's build of the native CPU kernels ({lock})", file=sys.stderr,
+                  flush=True)
+            said = True
         time.sleep(poll_s)
 
 

@@ -84,8 +84,14 @@ AMX_MAX_ROWS = 128
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None) -> torch.Tensor:
-    """x: [..., K]; weight: [N, K] -> [..., N]. `packed`: the weight in oneDNN's layout (prepack), or None."""
+    """x: [..., K]; weight: [N, K] -> [..., N]. `packed`: the weight as prepack laid it out (oneDNN's, AMX's or the
+    panels'), or None."""
     rows = x.numel() // max(x.shape[-1], 1)
+    if packed is not None and packed.dim() == 3:  # panel_pack's layout: bf16 rows of any count on the panels
+        if native.serves_gemm(x, weight):
+            return native.panel_linear(x.reshape(rows, x.shape[-1]), packed, weight.shape[0], bias) \
+                .view(*x.shape[:-1], weight.shape[0])
+        return F.linear(x, weight, bias)
     compiling = torch.compiler.is_compiling()
     # compiled pieces: inductor's freezing packs what eager mode would have packed (prepack_linears packs only the
     # LM head there), so the same row limits apply; the guard on rows splits the compiled graphs at those limits
@@ -93,11 +99,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     limit = SMALL_ROWS_BF16 if weight.dtype == torch.bfloat16 else SMALL_ROWS_PACKED if packs else SMALL_ROWS
     if weight.numel() > SMALL_MAX_ELEMENTS:
         limit = min(limit, SMALL_ROWS_BIG)
-    if packed is not None and packed.dim() == 3:  # panel_pack's layout: bf16 rows of any count on the panels
-        if native.serves_gemm(x, weight):
-            return native.panel_linear(x.reshape(rows, x.shape[-1]), packed, weight.shape[0], bias) \
-                .view(*x.shape[:-1], weight.shape[0])
-        return F.linear(x, weight, bias)
     if rows <= limit and weight.is_contiguous() \
             and native.serves_gemm(x, weight):
         return native.small_linear(x.reshape(rows, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])

@@ -13,9 +13,10 @@ over a whole decode's projections twice (SmolLM2-135M's qkv, o, gate_up and down
 a 300 MiB L3, so cold as a decode's), the two alternating, median of 7: one line per row count, ms a sweep and GB/s
 (the measurements behind AMX_MAX_ROWS).
 
---panels: the bfloat16 panel GEMM (tandem/native/panel_gemm.cpp, what a CPU without bf16 dot products runs) beside
-float32 (F.linear, oneDNN packed) and bfloat16 F.linear and the small-row kernel's widening path, SmolLM2-135M's
-projections and LM head, warm: microseconds per call, best of 3 rounds.
+--panels: the panel GEMM (tandem/native/panel_gemm.cpp: what a CPU without bf16 dot products runs in bfloat16, and
+one without avx512 in float32) in both dtypes beside float32 F.linear, oneDNN packed and the small-row kernel, and
+bfloat16 F.linear and the small-row kernel's widening path, SmolLM2-135M's projections and LM head, warm:
+microseconds per call, best of 3 rounds.
 """
 
 from __future__ import annotations
@@ -79,18 +80,22 @@ def panels(row_counts: list[int]) -> None:
     if not native.panels_available():
         raise SystemExit("--panels: the native kernels are not built for this CPU (x86 with avx2)")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}"
-          "; us per call: float32 F.linear | float32 packed | bf16 F.linear | bf16 small-row | bf16 panels")
+          "; us per call: float32 F.linear | float32 packed | float32 small-row | float32 panels | bf16 F.linear | "
+          "bf16 small-row | bf16 panels")
     with torch.inference_mode():
         for n, k in SHAPES[5:]:
             w = torch.randn(n, k) * k**-0.5
             w16 = w.bfloat16()
             packed, panel = torch.ops.mkldnn._reorder_linear_weight(w, DECODE_ROWS_HINT), native.panel_pack(w16)
+            panel32 = native.panel_pack(w)
             for rows in row_counts:
                 x = torch.randn(rows, k)
                 x16 = x.bfloat16()
                 calls = max(3, int(2e8 // (n * k * max(rows, 8))))
                 fns = [partial(F.linear, x, w),
                        partial(torch.ops.mkldnn._linear_pointwise, x, packed, None, "none", [], ""),
+                       partial(native.small_linear, x, w, None) if rows <= 8 else None,
+                       partial(native.panel_linear, x, panel32, n, None),
                        partial(F.linear, x16, w16) if rows <= 128 else None,
                        partial(native.small_linear, x16, w16, None) if rows <= 4 else None,
                        partial(native.panel_linear, x16, panel, n, None)]

@@ -80,6 +80,9 @@ SMALL_ROWS_BIG = 4
 # 32 22.7/16.3, 48 22.3/20.7, 64 24.0/23.7, 128 32.2/43.5; F.linear / AMX kernel 64 rows 39.5/23.5, 96 41.7/34.7, 128
 # 45.1/42.3, 256 67.4/81.8
 AMX_MAX_ROWS = 128
+# float32 on an avx2 CPU without avx512: every weight packed into panel_gemm.cpp's panels (in place of oneDNN's
+# layout: the same memory), rows up to FP32_PANEL_MAX_ROWS on them, more (prompts) on F.linear (MKL).
+FP32_PANEL_MAX_ROWS = 512
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -87,8 +90,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """x: [..., K]; weight: [N, K] -> [..., N]. `packed`: the weight as prepack laid it out (oneDNN's, AMX's or the
     panels'), or None."""
     rows = x.numel() // max(x.shape[-1], 1)
-    if packed is not None and packed.dim() == 3:  # panel_pack's layout: bf16 rows of any count on the panels
-        if native.serves_gemm(x, weight):
+    if packed is not None and packed.dim() == 3:  # panel_pack's layout: bf16 rows of any count, float32 decode rows
+        if native.serves_gemm(x, weight) and (weight.dtype == torch.bfloat16 or rows <= FP32_PANEL_MAX_ROWS):
             return native.panel_linear(x.reshape(rows, x.shape[-1]), packed, weight.shape[0], bias) \
                 .view(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight, bias)
@@ -121,7 +124,8 @@ def _native_bf16(dtype: torch.dtype) -> bool:
 def prepack(weight: torch.Tensor, amx: bool = False) -> torch.Tensor | None:
     """weight [N, K] -> the same in oneDNN's blocked layout, or None where oneDNN cannot run it here. amx (the
     native kernels on): a bfloat16 weight whose shape AMX's tiles take goes into their layout instead, on a CPU with
-    AMX-BF16; on a CPU without bf16 dot products, every bfloat16 weight goes into panel_gemm.cpp's panels."""
+    AMX-BF16; on a CPU without bf16 dot products, every bfloat16 weight goes into panel_gemm.cpp's panels, and on
+    one without avx512 every float32 weight too."""
     if amx and _panel_fits(weight):
         return native.panel_pack(weight)
     min_elements = BF16_PACK_MIN_ELEMENTS if _native_bf16(weight.dtype) else PACK_MIN_ELEMENTS
@@ -153,9 +157,20 @@ def bf16_on_panels() -> bool:
     return not _CPU_HAS_BF16_DOT and native.panels_available()
 
 
+def fp32_on_panels() -> bool:
+    """Whether float32 linears run on tandem/native/panel_gemm.cpp here: an x86 CPU with avx2 but not avx512, where
+    the panels beat oneDNN's float32 GEMM at every row count measured (FP32_PANELS above), with the native kernels
+    built."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX2" and native.panels_available()
+
+
 def _panel_fits(weight: torch.Tensor) -> bool:
-    """A bfloat16 [N, K] CPU weight where bf16_on_panels()."""
-    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2 and bf16_on_panels()
+    """A [N, K] CPU weight the panels serve here: bfloat16 where bf16_on_panels(), float32 where fp32_on_panels()."""
+    if weight.device.type != "cpu" or weight.dim() != 2:
+        return False
+    if weight.dtype == torch.bfloat16:
+        return bf16_on_panels()
+    return weight.dtype == torch.float32 and fp32_on_panels()
 
 
 def prepack_linears(model: nn.Module, lm_head_only: bool, amx: bool = False) -> int:

@@ -343,19 +343,23 @@ def panels_available() -> bool:
 
 
 def panel_pack(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] bf16 -> [ceil(N / 16), K, 16]: for each panel of 16 output columns and each k, the panel's
-    weights in one piece, columns j and 8 + j side by side (panel_gemm.cpp's layout; N padded with zeros)."""
+    """weight [N, K] bf16 or float32 -> [ceil(N / 16), K, 16] of its dtype: for each panel of 16 output columns and
+    each k, the panel's weights in one piece (panel_gemm.cpp's layout; N padded with zeros). bf16 lays columns j and
+    8 + j side by side (one shift or mask widens either half); float32 keeps them in order."""
     n, k = weight.shape
     pad = -n % 16
     w = weight.detach()
     if pad:
         w = torch.cat([w, w.new_zeros(pad, k)])
+    if w.dtype == torch.float32:
+        return w.reshape(-1, 16, k).transpose(1, 2).contiguous()
     return w.reshape(-1, 2, 8, k).permute(0, 3, 2, 1).reshape(-1, k, 16)
 
 
 def panel_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """x: [M, K] bf16 (K contiguous); packed: panel_pack(weight [n, K]); bias: [n] or None -> a new [M, n] bf16:
-    float32 FMA on the widened weights, each output one chain over k in order, rounded once (panel_gemm.cpp)."""
+    """x: [M, K] bf16 or float32 (K contiguous); packed: panel_pack(weight [n, K]) of x's dtype; bias: [n] or None ->
+    a new [M, n] of x's dtype: float32 FMA (on widened bf16 weights), each output one chain over k in order, a bf16
+    result rounded once (panel_gemm.cpp)."""
     return torch.ops.tandem_native.panel_linear(x, packed, n, bias)
 
 

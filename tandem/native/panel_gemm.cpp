@@ -9,7 +9,7 @@
 // load and two widening ops per 12 FMAs, and reads half the bytes a float32 weight would.
 //
 // float32: the same loop on float32 panels (two loads per 12 FMAs) keeps avx2's FMA units busier than oneDNN's
-// float32 GEMM does at a decode batch's rows (measured in tandem/layers/cpu_gemm.py's FP32_PANEL notes).
+// float32 GEMM does at a decode batch's rows (measured: the note at FP32_PANEL_MAX_ROWS in tandem/layers/cpu_gemm.py).
 //
 // The weight is packed once (panel_pack in tandem/native/__init__.py) into panels of 16 output columns,
 // [N / 16, K, 16]: for each k the panel's 16 weights in one piece. bfloat16 lays columns j and 8 + j side by side,
@@ -160,12 +160,17 @@ void run_panels(const float* xp, const W* wp, int64_t m, int64_t k, int64_t n, i
         for (int64_t k0 = 0; k0 < k; k0 += steps) {
           const int64_t k1 = std::min(k, k0 + steps);
           // the next piece (the rest of this panel, or the next panel's first: the thread's panels lie back to
-          // back) asked for now, into L2, so the first pass over it does not wait on DRAM
+          // back) asked for into L2 a share before each pass over this one, so the first pass over the next does
+          // not wait on DRAM (cold weights: a decode's, read once a step)
           const char* next = reinterpret_cast<const char*>(wp + p * panel + k1 * kPanel);
           const char* stop = reinterpret_cast<const char*>(wp + end * panel);
-          const int64_t ahead = std::min<int64_t>(stop - next, (k1 - k0) * kPanel * sizeof(W));
-          for (int64_t b = 0; b < ahead; b += 64) _mm_prefetch(next + b, _MM_HINT_T1);
+          const int64_t lines = std::min<int64_t>(stop - next, (k1 - k0) * kPanel * sizeof(W)) / 64;
+          const int64_t share = (lines * kRows + block - 1) / block;  // lines a pass of 6 rows asks for
+          int64_t asked = 0;
           for (int64_t r = m0, rows = 0; r < m0 + block; r += rows) {
+            for (const int64_t upto = std::min(lines, asked + share); asked < upto; ++asked) {
+              _mm_prefetch(next + asked * 64, _MM_HINT_T1);
+            }
             rows = group_rows(m0 + block - r);
             pass_for<W, O>(rows, 1)(xp + r * k, k, wp + p * panel, k, k0, k1, partial + (r - m0) * kPanel, n,
                                     p * kPanel, bp, op + r * n, n);

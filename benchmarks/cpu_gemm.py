@@ -4,6 +4,7 @@ measurements behind PACK_MIN_ELEMENTS and ANY_ROWS_ELEMENTS.
     python benchmarks/cpu_gemm.py [--threads 2] [--dtype float32] [--rows 1 2 4 8 16 32 128]
     python benchmarks/cpu_gemm.py --amx-sweep [--rows 5 8 16 32 48 64 128]
     python benchmarks/cpu_gemm.py --panels [--rows 1 2 4 8 32 128 1024]
+    python benchmarks/cpu_gemm.py --panel-sweep [--rows 1 4 8 16 32 64 128 256 512 1400]
 
 Prints one line per [N, K] weight (the bundled model's and SmolLM2-135M's projections by default): microseconds
 per call, F.linear / packed, best of 3 rounds, one process, nothing else running.
@@ -17,6 +18,10 @@ a 300 MiB L3, so cold as a decode's), the two alternating, median of 7: one line
 one without avx512 in float32) in both dtypes beside float32 F.linear, oneDNN packed and the small-row kernel, and
 bfloat16 F.linear and the small-row kernel's widening path, SmolLM2-135M's projections and LM head, warm:
 microseconds per call, best of 3 rounds.
+
+--panel-sweep (an avx2 CPU): float32 over a whole forward's projections (SmolLM2-135M's qkv, o, gate_up and down of
+30 layers in turn, 425 MB, past the L3, so cold as a step's): F.linear, oneDNN packed and the panels, taking turns,
+median of 3 rounds: GFLOP/s per row count (the measurements behind FP32_PANEL_MAX_ROWS).
 """
 
 from __future__ import annotations
@@ -103,6 +108,35 @@ def panels(row_counts: list[int]) -> None:
                 print(f"[{n}, {k}] {rows:5d} rows  " + " | ".join(f"{c:9.1f}" for c in cells), flush=True)
 
 
+def panel_sweep(row_counts: list[int]) -> None:
+    if not native.panels_available():
+        raise SystemExit("--panel-sweep: the native kernels are not built for this CPU (x86 with avx2)")
+    shapes = SHAPES[5:9] * 30  # SmolLM2-135M's qkv, o, gate_up, down, layer by layer
+    weights = [torch.randn(n, k) * k**-0.5 for n, k in shapes]
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, DECODE_ROWS_HINT) for w in weights]
+    panel = [native.panel_pack(w) for w in weights]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}, "
+          f"float32, {sum(w.numel() * 4 for w in weights) / 1e6:.0f} MB of weights; GFLOP/s")
+    with torch.inference_mode():
+        for rows in row_counts:
+            xs = {k: torch.randn(rows, k) for _, k in SHAPES[5:9]}
+            calls = {"F.linear": lambda i, xs=xs: F.linear(xs[weights[i].shape[1]], weights[i]),
+                     "oneDNN packed": lambda i, xs=xs: torch.ops.mkldnn._linear_pointwise(
+                         xs[weights[i].shape[1]], onednn[i], None, "none", [], ""),
+                     "panels": lambda i, xs=xs: native.panel_linear(xs[weights[i].shape[1]], panel[i],
+                                                                    weights[i].shape[0], None)}
+            times: dict[str, list[float]] = {name: [] for name in calls}
+            for _ in range(3):
+                for name, call in calls.items():
+                    start = time.perf_counter()
+                    for i in range(len(weights)):
+                        call(i)
+                    times[name].append(time.perf_counter() - start)
+            flops = sum(2 * rows * n * k for n, k in shapes)
+            print(f"{rows} rows: " + ", ".join(f"{name} {flops / statistics.median(t) / 1e9:.1f}"
+                                               for name, t in times.items()), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -110,10 +144,14 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=None)
     parser.add_argument("--amx-sweep", action="store_true")
     parser.add_argument("--panels", action="store_true")
+    parser.add_argument("--panel-sweep", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.panels:
         panels(args.rows or [1, 2, 4, 8, 32, 128, 1024])
+        return
+    if args.panel_sweep:
+        panel_sweep(args.rows or [1, 4, 8, 16, 32, 64, 128, 256, 512, 1400])
         return
     if args.amx_sweep:
         amx_sweep(args.rows or [5, 8, 16, 32, 48, 64, 128])

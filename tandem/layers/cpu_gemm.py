@@ -82,11 +82,12 @@ SMALL_ROWS_BIG = 4
 AMX_MAX_ROWS = 128
 # float32 on an avx2 CPU without avx512: every weight packed into panel_gemm.cpp's panels (in place of oneDNN's
 # layout: the same memory), rows up to FP32_PANEL_MAX_ROWS on them (one row included: a row's result then does not
-# depend on its batch at any decode or verification row count), more (long prompt chunks) on F.linear (MKL), where
-# the panels ran 0.84-0.99x oneDNN's packed GEMM at 2,048 rows. Measured (AMD EPYC, Zen 3, avx2, 2 threads, SmolLM2-135M
-# float32 in one engine, the linears' layouts swapped round by round, median of 5, 2026-12-07): panels / oneDNN's
-# layout (with the small-row kernel up to 8 rows) batch-1 decode step 26.5 / 32.2 ms, batch-32 101 / 132 ms, a
-# 1,024-token prefill 1.90 / 2.15 s
+# depend on its batch at any decode or verification row count), more (long prompt chunks) on F.linear (MKL), which
+# matches them there. Measured (AMD EPYC, Zen 3, avx2, 2 threads, 2026-12-07): `benchmarks/cpu_gemm.py --panel-sweep`
+# (SmolLM2-135M's 120 projections in turn, cold, GFLOP/s, F.linear / oneDNN packed / panels) 1 row 7.5/10.8/16.3,
+# 32 rows 87/114/153, 128 rows 129/143/173, 512 rows 168/156/166, 1,400 rows 170/158/168; SmolLM2-135M float32 in one
+# engine, its linears' layouts swapped round by round (median of 5, before the panels' prefetch): panels / oneDNN's
+# layout with the small-row kernel up to 8 rows, batch-1 decode step 26.5 / 32.2 ms, batch-32 101 / 132 ms
 FP32_PANEL_MAX_ROWS = 512
 
 

@@ -101,6 +101,8 @@ def test_bad_shapes_are_refused_by_name() -> None:
         native.panel_linear(torch.randn(2, 64).half(), native.panel_pack(torch.randn(40, 64)).half(), 40, None)
     with pytest.raises(RuntimeError, match="N = 50 does not fit 3 panels"):
         native.panel_linear(torch.randn(2, 64).bfloat16(), packed, 50, None)
+    with pytest.raises(ValueError, match="panel_pack: a bfloat16 or float32"):
+        native.panel_pack(torch.randn(40, 64).half())
     with pytest.raises(RuntimeError, match="bias must be"):
         native.panel_linear(torch.randn(2, 64).bfloat16(), packed, 40, torch.zeros(31).bfloat16())
 

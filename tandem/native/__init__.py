@@ -346,6 +346,8 @@ def panel_pack(weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] bf16 or float32 -> [ceil(N / 16), K, 16] of its dtype: for each panel of 16 output columns and
     each k, the panel's weights in one piece (panel_gemm.cpp's layout; N padded with zeros). bf16 lays columns j and
     8 + j side by side (one shift or mask widens either half); float32 keeps them in order."""
+    if weight.dim() != 2 or weight.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"panel_pack: a bfloat16 or float32 [N, K] weight, got {weight.dtype} {tuple(weight.shape)}")
     n, k = weight.shape
     pad = -n % 16
     w = weight.detach()

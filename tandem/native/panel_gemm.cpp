@@ -203,8 +203,8 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
               " panels of 16 columns");
   at::Tensor bias_f;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == dtype && bias->dim() == 1 && bias->size(0) == n,
-                "panel_linear: bias must be [", n, "] of x's dtype");
+    TORCH_CHECK(bias->scalar_type() == dtype && bias->dim() == 1 && bias->size(0) == n && bias->device().is_cpu(),
+                "panel_linear: bias must be a CPU [", n, "] of x's dtype");
     bias_f = bias->to(at::kFloat).contiguous();
   }
   at::Tensor out = at::empty({m, n}, x.options().memory_format(at::MemoryFormat::Contiguous));

@@ -91,31 +91,45 @@ AMX_MAX_ROWS = 128
 FP32_PANEL_MAX_ROWS = 512
 
 
+# the native kernels linear() runs a call on (native_route), the kinds tandem/native/decoder_layer.cpp takes
+PANELS, SMALL, AMX = 0, 1, 2
+
+
+def native_route(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None) -> tuple[int, torch.Tensor] | None:
+    """The native kernel linear() runs x's rows on, with the weight as that kernel reads it: (PANELS, the panels),
+    (SMALL, the weight) or (AMX, the tiles); None where linear() runs a PyTorch op."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if packed is not None and packed.dim() == 3:  # panel_pack's layout: bf16 rows of any count, float32 decode rows
+        if native.serves_gemm(x, weight) and (weight.dtype == torch.bfloat16 or rows <= FP32_PANEL_MAX_ROWS):
+            return PANELS, packed
+        return None
+    # compiled pieces: inductor's freezing packs what eager mode would have packed (prepack_linears packs only the
+    # LM head there), so the same row limits apply; the guard on rows splits the compiled graphs at those limits
+    packs = packed is not None or (torch.compiler.is_compiling() and weight.numel() >= PACK_MIN_ELEMENTS)
+    limit = SMALL_ROWS_BF16 if weight.dtype == torch.bfloat16 else SMALL_ROWS_PACKED if packs else SMALL_ROWS
+    if weight.numel() > SMALL_MAX_ELEMENTS:
+        limit = min(limit, SMALL_ROWS_BIG)
+    if rows <= limit and weight.is_contiguous() and native.serves_gemm(x, weight):
+        return SMALL, weight
+    if packed is not None and packed.dim() == 4 and rows <= AMX_MAX_ROWS and native.serves_gemm(x, weight):
+        return AMX, packed  # AMX's tile layout (amx_pack): decode batches on the tiles
+    return None
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None) -> torch.Tensor:
     """x: [..., K]; weight: [N, K] -> [..., N]. `packed`: the weight as prepack laid it out (oneDNN's, AMX's or the
     panels'), or None."""
-    rows = x.numel() // max(x.shape[-1], 1)
-    if packed is not None and packed.dim() == 3:  # panel_pack's layout: bf16 rows of any count, float32 decode rows
-        if native.serves_gemm(x, weight) and (weight.dtype == torch.bfloat16 or rows <= FP32_PANEL_MAX_ROWS):
-            return native.panel_linear(x.reshape(rows, x.shape[-1]), packed, weight.shape[0], bias) \
-                .view(*x.shape[:-1], weight.shape[0])
+    route = native_route(x, weight, packed)
+    if route is not None:
+        kind, w = route
+        x2 = x.reshape(x.numel() // max(x.shape[-1], 1), x.shape[-1])
+        y = native.panel_linear(x2, w, weight.shape[0], bias) if kind == PANELS else \
+            native.small_linear(x2, w, bias) if kind == SMALL else native.amx_linear(x2, w, bias)
+        return y.view(*x.shape[:-1], weight.shape[0])
+    if packed is not None and packed.dim() in (3, 4):  # panels or tiles the native kernels do not take here
         return F.linear(x, weight, bias)
-    compiling = torch.compiler.is_compiling()
-    # compiled pieces: inductor's freezing packs what eager mode would have packed (prepack_linears packs only the
-    # LM head there), so the same row limits apply; the guard on rows splits the compiled graphs at those limits
-    packs = packed is not None or (compiling and weight.numel() >= PACK_MIN_ELEMENTS)
-    limit = SMALL_ROWS_BF16 if weight.dtype == torch.bfloat16 else SMALL_ROWS_PACKED if packs else SMALL_ROWS
-    if weight.numel() > SMALL_MAX_ELEMENTS:
-        limit = min(limit, SMALL_ROWS_BIG)
-    if rows <= limit and weight.is_contiguous() \
-            and native.serves_gemm(x, weight):
-        return native.small_linear(x.reshape(rows, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
-    if packed is not None and packed.dim() == 4:  # AMX's tile layout (amx_pack): decode batches on the tiles
-        if rows <= AMX_MAX_ROWS and native.serves_gemm(x, weight):
-            return native.amx_linear(x.reshape(rows, x.shape[-1]), packed, bias).view(*x.shape[:-1], weight.shape[0])
-        return F.linear(x, weight, bias)
-    if packed is None or compiling:  # the compiler packs (freezing) what it compiles
+    if packed is None or torch.compiler.is_compiling():  # the compiler packs (freezing) what it compiles
         return F.linear(x, weight, bias)
     if x.numel() == x.shape[-1] and weight.numel() < ANY_ROWS_ELEMENTS and not _native_bf16(weight.dtype):  # a gemv
         return F.linear(x, weight, bias)

@@ -17,6 +17,7 @@ from tandem.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tandem.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RotaryEmbedding, rope_params
+from tandem.models import fused_decoder_layer
 
 
 class GQAAttention(nn.Module):
@@ -94,8 +95,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        fused = fused_decoder_layer.layer_step(self.layers, x, positions)  # one native call a layer, or None
         for layer in self.layers:
-            x = layer(positions, x)
+            x = layer(positions, x) if fused is None else fused(layer, x)
         return self.norm(x)
 
 

@@ -15,6 +15,9 @@
 - amx_gemm.cpp / panel_gemm.cpp: bfloat16 linears of many rows where oneDNN's bf16 GEMM falls short: on AMX tiles
   (decode batches, streaming each weight once), and on CPUs without bf16 dot products (avx2), where torch's bf16
   matmul is a generic loop, float32 FMA on weights widened in registers.
+- decoder_layer.cpp: a Llama-family decoder layer in one call for steps of short rows (decodes, verification), the
+  kernels above in the module path's order: the ~40 Python-level calls a layer makes around ~0.6 ms of weights
+  streamed at batch 1 cost ~10 ms of a SmolLM2 step (tandem/layers/fused_decoder_layer.py).
 
 vLLM's CPU backend has its own C++ ops for the same reasons. The extension is compiled with torch's C++ extension
 builder (the C++ compiler and ninja that inductor's CPU code generation needs too), cached under torch's extensions
@@ -42,13 +45,13 @@ from tandem import envs
 log = logging.getLogger("tandem")
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "elementwise.cpp", "small_gemm.cpp",
-                                                          "amx_gemm.cpp", "panel_gemm.cpp")]
+                                                          "amx_gemm.cpp", "panel_gemm.cpp", "decoder_layer.cpp")]
 # headers the sources include: torch's builder re-builds a cached extension when its sources or flags change, not its
 # headers, so their checksum goes into the flags
 _HEADERS = [Path(__file__).with_name(name)
             for name in ("vec16.h", "attention_bf16.h", "attention_amx.h", "amx_tiles.h")]
 _OPS = ("paged_attention", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary", "argmax_rows", "small_linear",
-        "small_linear_isa", "moe_experts", "amx_linear", "panel_linear")
+        "small_linear_isa", "moe_experts", "amx_linear", "panel_linear", "gqa_decoder_layer")
 ISA_FLAGS = {"AVX2": ["-mavx2", "-mfma", "-mf16c"],
              "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"]}
 _lock = threading.Lock()
@@ -363,6 +366,21 @@ def panel_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tens
     a new [M, n] of x's dtype: float32 FMA (on widened bf16 weights), each output one chain over k in order, a bf16
     result rounded once (panel_gemm.cpp)."""
     return torch.ops.tandem_native.panel_linear(x, packed, n, bias)
+
+
+def gqa_decoder_layer(hidden: torch.Tensor, positions: torch.Tensor, norms: list[torch.Tensor], eps: float,
+                      weights: list[torch.Tensor], kinds: list[int], sizes: list[int],
+                      biases: list[torch.Tensor | None], cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
+                      interleaved: bool, num_heads: int, num_kv_heads: int, head_dim: int, kv_cache: torch.Tensor,
+                      write_slots: torch.Tensor, block_table: torch.Tensor, rows: torch.Tensor,
+                      attn_positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """hidden: [T, H] the residual stream into a Llama-family layer -> [T, H] out of it: RMSNorm, qkv, rotary, K/V
+    written at write_slots (the first len(write_slots) tokens'), paged attention over `rows` (paged_attention's
+    form), o, residual add + RMSNorm, gate_up, SwiGLU, down, residual add; each linear on the kernel kinds[i]
+    names (tandem.layers.cpu_gemm.native_route) with weights[i]. The module path's kernels in its order: its bits."""
+    return torch.ops.tandem_native.gqa_decoder_layer(hidden, positions, norms, eps, weights, kinds, sizes, biases, cos,
+                                                     sin, rotary_dim, interleaved, num_heads, num_kv_heads, head_dim,
+                                                     kv_cache, write_slots, block_table, rows, attn_positions, scale)
 
 
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,

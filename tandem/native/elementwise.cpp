@@ -420,6 +420,17 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& positions, const at::Te
 namespace tandem_native {
 // silu(g) * u over n lanes, for the routed experts' kernel (small_gemm.cpp): one formula for both
 void silu_mul(const float* g, const float* u, float* o, int64_t n) { silu_mul_row<F32>(g, u, o, n); }
+// the ops themselves, for the fused decoder layer (decoder_layer.cpp): a direct call, not a dispatch
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) { return ::rms_norm(x, weight, eps); }
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  return ::add_rms_norm(x, residual, weight, eps);
+}
+at::Tensor silu_and_mul(const at::Tensor& gate_up) { return ::silu_and_mul(gate_up); }
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                  int64_t rotary_dim, bool interleaved) {
+  return ::rotary(x, positions, cos, sin, rotary_dim, interleaved);
+}
 }  // namespace tandem_native
 
 TORCH_LIBRARY_FRAGMENT(tandem_native, m) {

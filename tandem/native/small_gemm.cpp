@@ -380,6 +380,10 @@ void grouped_rows_gemm(const std::vector<const float*>& rows, const std::vector<
 
 namespace tandem_native {
 void silu_mul(const float* g, const float* u, float* o, int64_t n);  // elementwise.cpp
+// the op itself, for the fused decoder layer (decoder_layer.cpp)
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  return ::small_linear(x, weight, bias);
+}
 }  // namespace tandem_native
 
 namespace {

@@ -1,0 +1,126 @@
+"""Llama-family decoder layers as one native call each, for steps whose every row is short (decodes, verification).
+
+Why: a batch-1 decode of SmolLM2-135M streams ~0.6 ms of weights a layer, and the module path makes ~40
+Python-level calls around that (norms, slices, rotary, the attention layer's metadata lookups, the K/V write, the
+kernel, the linears' routing), each a Python frame and a dispatch: ~10 ms of a ~30 ms step, with the memory bus
+idle. tandem/native/decoder_layer.cpp runs the layer's kernels in the module path's order on the same tensors, so
+its output is the module path's, bit for bit (tests/test_fused_decoder_layer.py); this module says when it serves
+and lays out its arguments, the per-step ones once a step and the per-layer ones once per row count.
+
+It serves an eager step where: the native kernels serve the model's dtype; the step's attention metadata is the
+PAGED_SDPA backend's with every row on the native kernel (no shared prefix, no prompt rows, no PCP gather, no
+sharded KV) and its K/V rows written in order; and every layer is a plain LlamaDecoderLayer (no q/k norm, one TP
+rank, no o_proj / down_proj bias) whose cache holds the model's dtype with unit K/V scales and no calibration armed,
+and whose linears all run on native kernels at this row count (tandem/layers/cpu_gemm.native_route). Anything else
+takes the module path, which stays the reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from tandem import native
+from tandem.attention import forward_context
+from tandem.attention.backends.prefix import write_rows_leading
+from tandem.attention.metadata import AttentionMetadata
+from tandem.layers.cpu_gemm import native_route
+
+if TYPE_CHECKING:
+    from tandem.models.llama import LlamaDecoderLayer
+
+enabled = True  # tests and benchmarks compare against the module path by turning it off
+
+
+def layer_step(layers: torch.nn.ModuleList, x: torch.Tensor,
+               positions: torch.Tensor) -> Callable[[LlamaDecoderLayer, torch.Tensor], torch.Tensor] | None:
+    """For this step (x: [T, H] the embedded tokens, positions: [T]): a function (layer, hidden) -> the layer's output
+    through the native call, or None where the module path must run (the module docstring says when)."""
+    if not enabled or torch.compiler.is_compiling() or x.dim() != 2 or positions.dtype != torch.int64 \
+            or not native.serves_elementwise(x):
+        return None
+    ctx = forward_context._CURRENT
+    if ctx is None or ctx.gathers_kv or ctx.kv_exchange is not None:
+        return None
+    backend = ctx.backends.get("full_attention")
+    if backend is None or backend.name != "PAGED_SDPA":
+        return None
+    meta = ctx.metadata("full_attention")
+    if not isinstance(meta, AttentionMetadata) or meta.native_rows is None or meta.groups or meta.row_keys \
+            or meta.long_rows or meta.native_long_rows is not None or meta.shared_prefix is not None:
+        return None
+    t = x.shape[0]
+    if meta.write_rows.numel():
+        leading = write_rows_leading(meta)
+        if leading is None or leading > t:
+            return None
+        write_slots = meta.write_slots
+    else:
+        write_slots = meta.write_slots.new_empty(0)
+    attn_positions = meta.positions if meta.positions.dtype == torch.int64 else meta.positions.long()
+    if attn_positions.shape[0] < t:  # graph padding after the rows (MTP's padded draft decodes): in no row
+        attn_positions = torch.cat((attn_positions, attn_positions.new_zeros(t - attn_positions.shape[0])))
+    attn_positions = attn_positions.contiguous()
+    args = [_layer_args(layer, x) for layer in layers]
+    if any(a is None for a in args):
+        return None
+    by_layer = dict(zip(map(id, layers), args, strict=True))
+    step_args = (write_slots, meta.block_table, meta.native_rows, attn_positions)
+
+    def run(layer: LlamaDecoderLayer, hidden: torch.Tensor) -> torch.Tensor:
+        a = by_layer[id(layer)]
+        assert a is not None
+        return native.gqa_decoder_layer(hidden, positions, *a[:14], *step_args, a[14])
+
+    return run
+
+
+def _layer_args(layer: LlamaDecoderLayer, x: torch.Tensor) -> tuple | None:
+    """The layer's arguments of the native call at x's row count (cached on the layer per row count, rebuilt when a
+    weight's layout or the cache is replaced), or None where it does not serve."""
+    attn, mlp = layer.self_attn, layer.mlp
+    core = attn.attn
+    if core.kv_scale_calibration is not None or core.k_scale != 1.0 or core.v_scale != 1.0:  # (may change per step)
+        return None
+    projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    shape = (x.shape[0], x.dtype)
+    tensors = (core.kv_cache, *(p.packed_weight for p in projections))
+    cached = layer.__dict__.get("_fused_args")
+    if cached is not None and cached[0] == shape and all(a is b for a, b in zip(cached[1], tensors, strict=True)):
+        return cached[2]
+    args = _build_args(layer, x, projections)
+    layer.__dict__["_fused_args"] = (shape, tensors, args)
+    return args
+
+
+def _build_args(layer: LlamaDecoderLayer, x: torch.Tensor, projections: tuple) -> tuple | None:
+    from tandem.models.llama import LlamaDecoderLayer  # (the model imports this module)
+
+    attn, mlp = layer.self_attn, layer.mlp
+    core = attn.attn
+    if type(layer) is not LlamaDecoderLayer or attn.q_norm is not None or core.kv_cache.dtype != x.dtype \
+            or core.kv_cache.dim() != 5 or attn.o_proj.bias is not None or mlp.down_proj.bias is not None \
+            or attn.o_proj.tp.size != 1 or mlp.down_proj.tp.size != 1 \
+            or attn.rotary_emb.cos_cache.dtype != torch.float32 \
+            or layer.input_layernorm.eps != layer.post_attention_layernorm.eps \
+            or not native.serves_elementwise(x, layer.input_layernorm.weight, layer.post_attention_layernorm.weight) \
+            or layer.input_layernorm.weight.dtype != x.dtype \
+            or layer.post_attention_layernorm.weight.dtype != x.dtype:
+        return None
+    widths = (x.shape[-1], attn.o_proj.weight.shape[1], x.shape[-1], mlp.down_proj.weight.shape[1])
+    kinds, weights = [], []
+    for proj, width in zip(projections, widths, strict=True):
+        route = native_route(x.new_empty(x.shape[0], width), proj.weight, proj.packed_weight)
+        if route is None:
+            return None
+        kinds.append(route[0])
+        weights.append(route[1])
+    rotary = attn.rotary_emb
+    norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+    sizes = [p.weight.shape[0] for p in projections]
+    biases = [attn.qkv_proj.bias, None, mlp.gate_up_proj.bias, None]
+    return (norms, layer.input_layernorm.eps, weights, kinds, sizes, biases, rotary.cos_cache, rotary.sin_cache,
+            rotary.rotary_dim, rotary.interleaved, attn.num_heads, attn.num_kv_heads, attn.head_dim, core.kv_cache,
+            core.scale)

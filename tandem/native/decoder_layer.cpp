@@ -1,0 +1,116 @@
+// A Llama-family decoder layer (GQA, SwiGLU, RMSNorm, RoPE) in one call, for steps whose every row is short (decodes,
+// verification rows): the same kernels as the module path, in the same order, on the same tensors, so the same bits
+// (tests/test_fused_decoder_layer.py). Why: at batch 1 a layer's own work is ~0.6 ms of weights streamed and
+// ~20 us of everything else, but the module path makes ~40 PyTorch calls around it, each a Python frame and a
+// dispatch (~5-15 us): ~10 ms a SmolLM2 step of 30 layers, a third of it, with the memory bus idle. One call a layer
+// leaves the Python of 30 calls a step (tandem/layers/fused_decoder_layer.py says when it serves).
+//
+// The linears run whichever native kernel the module path would have run for these rows (the caller's `kinds`):
+// the panels (panel_gemm.cpp), the small-row GEMM (small_gemm.cpp) or AMX tiles (amx_gemm.cpp).
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+// the kernels' entry points (their files)
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                        const c10::optional<at::Tensor>& bias);
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
+void paged_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor block_table,
+                     torch::Tensor rows, torch::Tensor positions, int64_t block_size, double scale,
+                     torch::Tensor out, torch::Tensor lse, int64_t isa);
+namespace tandem_native {
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps);
+at::Tensor silu_and_mul(const at::Tensor& gate_up);
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                  int64_t rotary_dim, bool interleaved);
+}  // namespace tandem_native
+
+namespace {
+
+constexpr int64_t kPanels = 0, kSmall = 1, kAmx = 2;  // tandem/layers/cpu_gemm.py's NativeRoute kinds
+
+// x: [T, K] -> [T, n] through the kernel `kind` names; w: its weight as that kernel reads it
+at::Tensor project(const at::Tensor& x, int64_t kind, const at::Tensor& w, int64_t n,
+                   const c10::optional<at::Tensor>& bias) {
+  switch (kind) {
+    case kPanels:
+      return panel_linear(x, w, n, bias);
+    case kSmall:
+      return tandem_native::small_linear(x, w, bias);
+    case kAmx:
+      return amx_linear(x, w, bias);
+    default:
+      TORCH_CHECK(false, "gqa_decoder_layer: linear kind ", kind, " is not one of 0 (panels), 1 (small), 2 (amx)");
+  }
+}
+
+// hidden: [T, H] the residual stream into the layer -> [T, H] out of it (hidden + attention, then + MLP).
+// norms: [input_layernorm, post_attention_layernorm] weights; weights / kinds / sizes / biases: qkv_proj, o_proj,
+// gate_up_proj, down_proj (o_proj's and down_proj's biases must be None: the module path adds them after the TP
+// reduction). positions: [T] int64 (rotary); attn_positions: [T] int64 contiguous (the kernel's); kv_cache:
+// [2, num_blocks, block_size, Hkv, D] of hidden's dtype; write_slots: [n_write] int64, the slots of the first n_write
+// tokens' K/V; block_table, rows: the native rows (paged_attention.cpp), covering the step's tokens.
+at::Tensor gqa_decoder_layer(const at::Tensor& hidden, const at::Tensor& positions, const std::vector<at::Tensor>& norms,
+                             double eps, const std::vector<at::Tensor>& weights, const std::vector<int64_t>& kinds,
+                             const std::vector<int64_t>& sizes, const std::vector<c10::optional<at::Tensor>>& biases,
+                             const at::Tensor& cos, const at::Tensor& sin, int64_t rotary_dim, bool interleaved,
+                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, const at::Tensor& kv_cache,
+                             const at::Tensor& write_slots, const at::Tensor& block_table, const at::Tensor& rows,
+                             const at::Tensor& attn_positions, double scale) {
+  TORCH_CHECK(norms.size() == 2 && weights.size() == 4 && kinds.size() == 4 && sizes.size() == 4 &&
+                  biases.size() == 4,
+              "gqa_decoder_layer: two norms and four linears (qkv, o, gate_up, down)");
+  TORCH_CHECK(!(biases[1].has_value() && biases[1]->defined()) && !(biases[3].has_value() && biases[3]->defined()),
+              "gqa_decoder_layer: o_proj and down_proj take no bias here");
+  TORCH_CHECK(hidden.dim() == 2 && kv_cache.dim() == 5 && kv_cache.size(0) == 2 &&
+                  kv_cache.scalar_type() == hidden.scalar_type() && kv_cache.size(3) == num_kv_heads &&
+                  kv_cache.size(4) == head_dim,
+              "gqa_decoder_layer: hidden [T, H] and a kv_cache [2, blocks, block_size, ", num_kv_heads, ", ", head_dim,
+              "] of its dtype");
+  const int64_t t = hidden.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  TORCH_CHECK(sizes[0] == q_size + 2 * kv_size, "gqa_decoder_layer: qkv_proj's output must be q + 2 kv wide");
+  TORCH_CHECK(write_slots.scalar_type() == at::kLong && write_slots.dim() == 1 && write_slots.size(0) <= t,
+              "gqa_decoder_layer: write_slots must be int64 [<= T]");
+
+  // attention: qkv, one rotation for q's and k's heads side by side, K/V into the cache, the kernel over the rows
+  const at::Tensor qkv = project(tandem_native::rms_norm(hidden, norms[0], eps), kinds[0], weights[0], sizes[0],
+                                 biases[0]);  // [T, q + 2 kv]
+  const at::Tensor qk = tandem_native::rotary(qkv.narrow(1, 0, q_size + kv_size).view({t, num_heads + num_kv_heads,
+                                                                                          head_dim}),
+                                              positions, cos, sin, rotary_dim, interleaved);  // [T, Hq + Hkv, D]
+  const at::Tensor q = qk.narrow(1, 0, num_heads), k = qk.narrow(1, num_heads, num_kv_heads);
+  const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads, head_dim});
+  const at::Tensor k_flat = kv_cache.select(0, 0).flatten(0, 1), v_flat = kv_cache.select(0, 1).flatten(0, 1);
+  const int64_t n_write = write_slots.size(0);
+  if (n_write) {
+    k_flat.index_copy_(0, write_slots, k.narrow(0, 0, n_write));
+    v_flat.index_copy_(0, write_slots, v.narrow(0, 0, n_write));
+  }
+  at::Tensor attn = at::zeros({t, num_heads, head_dim}, hidden.options());
+  at::Tensor lse = at::full({t, num_heads}, -std::numeric_limits<float>::infinity(), hidden.options().dtype(at::kFloat));
+  paged_attention(q, k_flat, v_flat, block_table, rows, attn_positions, kv_cache.size(2), scale, attn, lse, -1);
+  const at::Tensor o = project(attn.view({t, q_size}), kinds[1], weights[1], sizes[1], c10::nullopt);
+
+  // MLP on the post-attention norm of the new residual stream
+  auto [normed, summed] = tandem_native::add_rms_norm(o, hidden, norms[1], eps);
+  const at::Tensor gate_up = project(normed, kinds[2], weights[2], sizes[2], biases[2]);
+  const at::Tensor down = project(tandem_native::silu_and_mul(gate_up), kinds[3], weights[3], sizes[3], c10::nullopt);
+  return summed + down;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tandem_native, m) {
+  m.def("gqa_decoder_layer(Tensor hidden, Tensor positions, Tensor[] norms, float eps, Tensor[] weights, int[] kinds, "
+        "int[] sizes, Tensor?[] biases, Tensor cos, Tensor sin, int rotary_dim, bool interleaved, int num_heads, "
+        "int num_kv_heads, int head_dim, Tensor(a!) kv_cache, Tensor write_slots, Tensor block_table, Tensor rows, "
+        "Tensor attn_positions, float scale) -> Tensor");
+  m.impl("gqa_decoder_layer", torch::kCPU, &gqa_decoder_layer);
+}

@@ -24,6 +24,7 @@ FAST_FILES = (
     "tests/test_expanded_prefix.py",
     "tests/test_fixtures_selfcheck.py",
     "tests/test_fp8_checkpoints.py",
+    "tests/test_fused_decoder_layer.py",
     "tests/test_fused_ops.py",
     "tests/test_hardening.py",
     "tests/test_kv_write.py",

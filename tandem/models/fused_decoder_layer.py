@@ -10,7 +10,7 @@ and lays out its arguments, the per-step ones once a step and the per-layer ones
 It serves an eager step where: the native kernels serve the model's dtype; the step's attention metadata is the
 PAGED_SDPA backend's with every row on the native kernel (no shared prefix, no prompt rows, no PCP gather, no
 sharded KV) and its K/V rows written in order; and every layer is a plain LlamaDecoderLayer (no q/k norm, one TP
-rank, no o_proj / down_proj bias) whose cache holds the model's dtype with unit K/V scales and no calibration armed,
+rank) whose cache holds the model's dtype with unit K/V scales and no calibration armed,
 and whose linears all run on native kernels at this row count (tandem/layers/cpu_gemm.native_route). Anything else
 takes the module path, which stays the reference.
 """
@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+from torch.nn.modules import module as nn_module
 
 from tandem import native
 from tandem.attention import forward_context
@@ -63,6 +64,9 @@ def layer_step(layers: torch.nn.ModuleList, x: torch.Tensor,
     if attn_positions.shape[0] < t:  # graph padding after the rows (MTP's padded draft decodes): in no row
         attn_positions = torch.cat((attn_positions, attn_positions.new_zeros(t - attn_positions.shape[0])))
     attn_positions = attn_positions.contiguous()
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks \
+            or any(layer._forward_pre_hooks or layer._forward_hooks_with_kwargs for layer in layers):
+        return None  # (plain forward hooks run after each call, as module __call__ runs them)
     args = [_layer_args(layer, x) for layer in layers]
     if any(a is None for a in args):
         return None
@@ -72,7 +76,11 @@ def layer_step(layers: torch.nn.ModuleList, x: torch.Tensor,
     def run(layer: LlamaDecoderLayer, hidden: torch.Tensor) -> torch.Tensor:
         a = by_layer[id(layer)]
         assert a is not None
-        return native.gqa_decoder_layer(hidden, positions, *a[:14], *step_args, a[14])
+        out = native.gqa_decoder_layer(hidden, positions, *a[:14], *step_args, a[14])
+        for hook in layer._forward_hooks.values():  # what module __call__ would run (EAGLE-3's aux layer captures)
+            result = hook(layer, (positions, hidden), out)
+            out = out if result is None else result
+        return out
 
     return run
 
@@ -101,7 +109,7 @@ def _build_args(layer: LlamaDecoderLayer, x: torch.Tensor, projections: tuple) -
     attn, mlp = layer.self_attn, layer.mlp
     core = attn.attn
     if type(layer) is not LlamaDecoderLayer or attn.q_norm is not None or core.kv_cache.dtype != x.dtype \
-            or core.kv_cache.dim() != 5 or attn.o_proj.bias is not None or mlp.down_proj.bias is not None \
+            or core.kv_cache.dim() != 5 \
             or attn.o_proj.tp.size != 1 or mlp.down_proj.tp.size != 1 \
             or attn.rotary_emb.cos_cache.dtype != torch.float32 \
             or layer.input_layernorm.eps != layer.post_attention_layernorm.eps \
@@ -120,7 +128,7 @@ def _build_args(layer: LlamaDecoderLayer, x: torch.Tensor, projections: tuple) -
     rotary = attn.rotary_emb
     norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
     sizes = [p.weight.shape[0] for p in projections]
-    biases = [attn.qkv_proj.bias, None, mlp.gate_up_proj.bias, None]
+    biases = [p.bias for p in projections]
     return (norms, layer.input_layernorm.eps, weights, kinds, sizes, biases, rotary.cos_cache, rotary.sin_cache,
             rotary.rotary_dim, rotary.interleaved, attn.num_heads, attn.num_kv_heads, attn.head_dim, core.kv_cache,
             core.scale)

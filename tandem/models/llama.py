@@ -22,16 +22,17 @@ from tandem.models import fused_decoder_layer
 
 class GQAAttention(nn.Module):
     def __init__(self, config: ModelConfig, tp: Group, *, bias: bool = False, qk_norm: bool = False,
-                 rotary_dim: int | None = None, input_size: int | None = None):
+                 rotary_dim: int | None = None, input_size: int | None = None, o_bias: bool = False):
         super().__init__()
         hf = config.hf
         total_heads, total_kv = hf.num_attention_heads, getattr(hf, "num_key_value_heads", hf.num_attention_heads)
         self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // total_heads
-        # input_size: an EAGLE-3 head's qkv reads [embedding | hidden] (2 H) instead of H
+        # input_size: an EAGLE-3 head's qkv reads [embedding | hidden] (2 H) instead of H. bias: q, k and v's;
+        # o_bias: o_proj's (Llama's attention_bias is both, GLM-4.5's only the first)
         self.qkv_proj = QKVParallelLinear(input_size or hf.hidden_size, self.head_dim, total_heads, total_kv,
                                           bias=bias, tp=tp)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hf.hidden_size, bias=False, tp=tp)
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hf.hidden_size, bias=o_bias, tp=tp)
         theta, scaling = rope_params(hf)
         self.rotary_emb = RotaryEmbedding(rotary_dim or self.head_dim, config.max_model_len, theta, scaling)
         eps = hf.rms_norm_eps
@@ -74,7 +75,8 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, tp: Group, qk_norm: bool):
         super().__init__()
         hf = config.hf
-        self.self_attn = GQAAttention(config, tp, bias=getattr(hf, "attention_bias", False), qk_norm=qk_norm)
+        attention_bias = getattr(hf, "attention_bias", False)
+        self.self_attn = GQAAttention(config, tp, bias=attention_bias, qk_norm=qk_norm, o_bias=attention_bias)
         self.mlp = GatedMLP(hf.hidden_size, hf.intermediate_size, tp, bias=getattr(hf, "mlp_bias", False))
         self.input_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)

@@ -53,8 +53,8 @@ at::Tensor project(const at::Tensor& x, int64_t kind, const at::Tensor& w, int64
 
 // hidden: [T, H] the residual stream into the layer -> [T, H] out of it (hidden + attention, then + MLP).
 // norms: [input_layernorm, post_attention_layernorm] weights; weights / kinds / sizes / biases: qkv_proj, o_proj,
-// gate_up_proj, down_proj (o_proj's and down_proj's biases must be None: the module path adds them after the TP
-// reduction). positions: [T] int64 (rotary); attn_positions: [T] int64 contiguous (the kernel's); kv_cache:
+// gate_up_proj, down_proj (o_proj's and down_proj's biases are added after their GEMMs, where the module path adds
+// them after the TP reduction). positions: [T] int64 (rotary); attn_positions: [T] int64 contiguous (the kernel's); kv_cache:
 // [2, num_blocks, block_size, Hkv, D] of hidden's dtype; write_slots: [n_write] int64, the slots of the first n_write
 // tokens' K/V; block_table, rows: the native rows (paged_attention.cpp), covering the step's tokens.
 at::Tensor gqa_decoder_layer(const at::Tensor& hidden, const at::Tensor& positions, const std::vector<at::Tensor>& norms,
@@ -67,8 +67,6 @@ at::Tensor gqa_decoder_layer(const at::Tensor& hidden, const at::Tensor& positio
   TORCH_CHECK(norms.size() == 2 && weights.size() == 4 && kinds.size() == 4 && sizes.size() == 4 &&
                   biases.size() == 4,
               "gqa_decoder_layer: two norms and four linears (qkv, o, gate_up, down)");
-  TORCH_CHECK(!(biases[1].has_value() && biases[1]->defined()) && !(biases[3].has_value() && biases[3]->defined()),
-              "gqa_decoder_layer: o_proj and down_proj take no bias here");
   TORCH_CHECK(hidden.dim() == 2 && kv_cache.dim() == 5 && kv_cache.size(0) == 2 &&
                   kv_cache.scalar_type() == hidden.scalar_type() && kv_cache.size(3) == num_kv_heads &&
                   kv_cache.size(4) == head_dim,
@@ -96,12 +94,14 @@ at::Tensor gqa_decoder_layer(const at::Tensor& hidden, const at::Tensor& positio
   at::Tensor attn = at::zeros({t, num_heads, head_dim}, hidden.options());
   at::Tensor lse = at::full({t, num_heads}, -std::numeric_limits<float>::infinity(), hidden.options().dtype(at::kFloat));
   paged_attention(q, k_flat, v_flat, block_table, rows, attn_positions, kv_cache.size(2), scale, attn, lse, -1);
-  const at::Tensor o = project(attn.view({t, q_size}), kinds[1], weights[1], sizes[1], c10::nullopt);
+  at::Tensor o = project(attn.view({t, q_size}), kinds[1], weights[1], sizes[1], c10::nullopt);
+  if (biases[1].has_value() && biases[1]->defined()) o = o + *biases[1];  // after the GEMM, as the module path
 
   // MLP on the post-attention norm of the new residual stream
   auto [normed, summed] = tandem_native::add_rms_norm(o, hidden, norms[1], eps);
   const at::Tensor gate_up = project(normed, kinds[2], weights[2], sizes[2], biases[2]);
-  const at::Tensor down = project(tandem_native::silu_and_mul(gate_up), kinds[3], weights[3], sizes[3], c10::nullopt);
+  at::Tensor down = project(tandem_native::silu_and_mul(gate_up), kinds[3], weights[3], sizes[3], c10::nullopt);
+  if (biases[3].has_value() && biases[3]->defined()) down = down + *biases[3];
   return summed + down;
 }
 

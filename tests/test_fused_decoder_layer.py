@@ -101,8 +101,8 @@ def test_gqa_decoder_layer_refuses_bad_arguments():
                 sizes=[24, 8, 16, 8], biases=[None, None, None, None], cos=torch.ones(4, 4), sin=torch.zeros(4, 4),
                 rotary_dim=8, interleaved=False, num_heads=1, num_kv_heads=1, head_dim=8, kv_cache=cache,
                 write_slots=torch.zeros(1, dtype=torch.int64), block_table=torch.zeros(1, 1, dtype=torch.int32),
-                rows=torch.tensor([[0, 0, 1, 1, 0]], dtype=torch.int32), attn_positions=torch.zeros(1, dtype=torch.int64),
-                scale=1.0)
+                rows=torch.tensor([[0, 0, 1, 1, 0]], dtype=torch.int32),
+                attn_positions=torch.zeros(1, dtype=torch.int64), scale=1.0)
     out = native.gqa_decoder_layer(**base)  # type: ignore[arg-type]
     assert out.shape == (1, 8) and torch.equal(out, h), "zero weights: the layer adds nothing to the stream"
     with pytest.raises(RuntimeError, match="linear kind 7"):

@@ -76,7 +76,7 @@ def layer_step(layers: torch.nn.ModuleList, x: torch.Tensor,
     def run(layer: LlamaDecoderLayer, hidden: torch.Tensor) -> torch.Tensor:
         a = by_layer[id(layer)]
         assert a is not None
-        out = native.gqa_decoder_layer(hidden, positions, *a[:14], *step_args, a[14])
+        out = native.gqa_decoder_layer(hidden, positions, *a[:13], a[13].kv_cache, *step_args, a[13].scale)
         for hook in layer._forward_hooks.values():  # what module __call__ would run (EAGLE-3's aux layer captures)
             result = hook(layer, (positions, hidden), out)
             out = out if result is None else result
@@ -86,15 +86,16 @@ def layer_step(layers: torch.nn.ModuleList, x: torch.Tensor,
 
 
 def _layer_args(layer: LlamaDecoderLayer, x: torch.Tensor) -> tuple | None:
-    """The layer's arguments of the native call at x's row count (cached on the layer per row count, rebuilt when a
-    weight's layout or the cache is replaced), or None where it does not serve."""
+    """The layer's arguments of the native call at x's row count, its attention module last (whose kv_cache the call
+    reads at each step: a cached reference would keep a replaced cache alive), or None where it does not serve.
+    Cached on the layer per row count, rebuilt when a weight's layout or the cache's dtype changes."""
     attn, mlp = layer.self_attn, layer.mlp
     core = attn.attn
     if core.kv_scale_calibration is not None or core.k_scale != 1.0 or core.v_scale != 1.0:  # (may change per step)
         return None
     projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    shape = (x.shape[0], x.dtype)
-    tensors = (core.kv_cache, *(p.packed_weight for p in projections))
+    shape = (x.shape[0], x.dtype, core.kv_cache.dtype, core.kv_cache.dim())
+    tensors = tuple(p.packed_weight for p in projections)
     cached = layer.__dict__.get("_fused_args")
     if cached is not None and cached[0] == shape and all(a is b for a, b in zip(cached[1], tensors, strict=True)):
         return cached[2]
@@ -130,5 +131,4 @@ def _build_args(layer: LlamaDecoderLayer, x: torch.Tensor, projections: tuple) -
     sizes = [p.weight.shape[0] for p in projections]
     biases = [p.bias for p in projections]
     return (norms, layer.input_layernorm.eps, weights, kinds, sizes, biases, rotary.cos_cache, rotary.sin_cache,
-            rotary.rotary_dim, rotary.interleaved, attn.num_heads, attn.num_kv_heads, attn.head_dim, core.kv_cache,
-            core.scale)
+            rotary.rotary_dim, rotary.interleaved, attn.num_heads, attn.num_kv_heads, attn.head_dim, core)

@@ -1,7 +1,8 @@
 """The fused decoder layer (tandem/native/decoder_layer.cpp, tandem/models/fused_decoder_layer.py): a Llama-family
 step of short rows (decodes, verification rows) through one native call a layer gives the module path's tokens and
 logprobs bit for bit, in float32 and bfloat16, at batch 1 and in batches, with biases, with speculative
-verification rows; steps it does not serve (prompts, a shared prefix, q/k norms) take the module path."""
+verification rows, with Qwen3's per-head q/k norms; steps it does not serve (a shared prefix) take the module
+path."""
 
 from __future__ import annotations
 
@@ -78,12 +79,17 @@ def test_fused_verification_rows_stay_lossless(tiny_checkpoints, fused_calls):
     assert max(fused_calls) > len(prompts), "a verification step (several rows per request) ran fused"
 
 
-def test_steps_the_layer_does_not_serve_take_the_module_path(tiny_checkpoints, fused_calls):
-    # Qwen3's q/k norms are not in the fused layer: its tokens are the module path's, and it never runs fused
-    qwen3 = LLM(str(tiny_checkpoints("qwen3")), dtype="float32", enable_prefix_caching=False)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_qwen3_head_norms_give_the_module_paths_bits(tiny_checkpoints, fused_calls, dtype):
+    # Qwen3: q and k RMS-normed per head before the rotation; head_dim 32 != hidden / heads (q_proj not square)
+    qwen3 = LLM(str(tiny_checkpoints("qwen3")), dtype=dtype, enable_prefix_caching=False)
     prompts = random_prompts([11, 19], vocab_size=500, seed=3)
-    assert _run(qwen3, prompts, fused=True) == _run(qwen3, prompts, fused=False)
-    assert not fused_calls
+    reference = _run(qwen3, prompts, fused=False)
+    assert _run(qwen3, prompts, fused=True) == reference
+    assert fused_calls.count(len(prompts)) >= 2 * 7
+
+
+def test_steps_the_layer_does_not_serve_take_the_module_path(tiny_checkpoints, fused_calls):
     # two requests behind one cached prefix decode with a shared prefix (attended once for both): module path
     llama = LLM(str(tiny_checkpoints("llama")), dtype="float32", enable_prefix_caching=True)
     prefix = random_prompts([48], vocab_size=500, seed=4)[0]

@@ -9,8 +9,8 @@ and lays out its arguments, the per-step ones once a step and the per-layer ones
 
 It serves an eager step where: the native kernels serve the model's dtype; the step's attention metadata is the
 PAGED_SDPA backend's with every row on the native kernel (no shared prefix, no prompt rows, no PCP gather, no
-sharded KV) and its K/V rows written in order; and every layer is a plain LlamaDecoderLayer (no q/k norm, one TP
-rank) whose cache holds the model's dtype with unit K/V scales and no calibration armed,
+sharded KV) and its K/V rows written in order; and every layer is a plain LlamaDecoderLayer (Llama, or Qwen3 with its
+per-head q/k norms; one TP rank) whose cache holds the model's dtype with unit K/V scales and no calibration armed,
 and whose linears all run on native kernels at this row count (tandem/layers/cpu_gemm.native_route). Anything else
 takes the module path, which stays the reference.
 """
@@ -109,7 +109,11 @@ def _build_args(layer: LlamaDecoderLayer, x: torch.Tensor, projections: tuple) -
 
     attn, mlp = layer.self_attn, layer.mlp
     core = attn.attn
-    if type(layer) is not LlamaDecoderLayer or attn.q_norm is not None or core.kv_cache.dtype != x.dtype \
+    head_norms = [n for n in (attn.q_norm, attn.k_norm) if n is not None]
+    if head_norms and (len(head_norms) != 2 or any(n.eps != layer.input_layernorm.eps or n.weight.dtype != x.dtype
+                                                   for n in head_norms)):
+        return None
+    if type(layer) is not LlamaDecoderLayer or core.kv_cache.dtype != x.dtype \
             or core.kv_cache.dim() != 5 \
             or attn.o_proj.tp.size != 1 or mlp.down_proj.tp.size != 1 \
             or attn.rotary_emb.cos_cache.dtype != torch.float32 \
@@ -127,7 +131,7 @@ def _build_args(layer: LlamaDecoderLayer, x: torch.Tensor, projections: tuple) -
         kinds.append(route[0])
         weights.append(route[1])
     rotary = attn.rotary_emb
-    norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+    norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *(n.weight for n in head_norms)]
     sizes = [p.weight.shape[0] for p in projections]
     biases = [p.bias for p in projections]
     return (norms, layer.input_layernorm.eps, weights, kinds, sizes, biases, rotary.cos_cache, rotary.sin_cache,

@@ -15,9 +15,9 @@
 - amx_gemm.cpp / panel_gemm.cpp: bfloat16 linears of many rows where oneDNN's bf16 GEMM falls short: on AMX tiles
   (decode batches, streaming each weight once), and on CPUs without bf16 dot products (avx2), where torch's bf16
   matmul is a generic loop, float32 FMA on weights widened in registers.
-- decoder_layer.cpp: a Llama-family decoder layer in one call for steps of short rows (decodes, verification), the
+- decoder_layer.cpp: a Llama or Qwen3 decoder layer in one call for steps of short rows (decodes, verification), the
   kernels above in the module path's order: the ~40 Python-level calls a layer makes around ~0.6 ms of weights
-  streamed at batch 1 cost ~10 ms of a SmolLM2 step (tandem/layers/fused_decoder_layer.py).
+  streamed at batch 1 cost ~10 ms of a SmolLM2 step (tandem/models/fused_decoder_layer.py).
 
 vLLM's CPU backend has its own C++ ops for the same reasons. The extension is compiled with torch's C++ extension
 builder (the C++ compiler and ninja that inductor's CPU code generation needs too), cached under torch's extensions

@@ -1,9 +1,10 @@
-// A Llama-family decoder layer (GQA, SwiGLU, RMSNorm, RoPE) in one call, for steps whose every row is short (decodes,
-// verification rows): the same kernels as the module path, in the same order, on the same tensors, so the same bits
-// (tests/test_fused_decoder_layer.py). Why: at batch 1 a layer's own work is ~0.6 ms of weights streamed and
-// ~20 us of everything else, but the module path makes ~40 PyTorch calls around it, each a Python frame and a
-// dispatch (~5-15 us): ~10 ms a SmolLM2 step of 30 layers, a third of it, with the memory bus idle. One call a layer
-// leaves the Python of 30 calls a step (tandem/layers/fused_decoder_layer.py says when it serves).
+// A Llama-family decoder layer (GQA, SwiGLU, RMSNorm, RoPE; Qwen3's per-head q/k norms) in one call, for steps whose
+// every row is short (decodes, verification rows): the same kernels as the module path, in the same order, on the
+// same tensors, so the same bits (tests/test_fused_decoder_layer.py). Why: at batch 1 a SmolLM2 layer's own work is
+// ~0.6 ms of weights streamed and ~20 us of everything else, but the module path makes ~40 PyTorch calls around it,
+// each a Python frame and a dispatch (~5-15 us): ~10 ms of a step of 30 layers, a third of it, with the memory bus
+// idle. One call a layer leaves the Python of 30 calls a step (tandem/models/fused_decoder_layer.py says when it
+// serves).
 //
 // The linears run whichever native kernel the module path would have run for these rows (the caller's `kinds`):
 // the panels (panel_gemm.cpp), the small-row GEMM (small_gemm.cpp) or AMX tiles (amx_gemm.cpp).
@@ -52,21 +53,23 @@ at::Tensor project(const at::Tensor& x, int64_t kind, const at::Tensor& w, int64
 }
 
 // hidden: [T, H] the residual stream into the layer -> [T, H] out of it (hidden + attention, then + MLP).
-// norms: [input_layernorm, post_attention_layernorm] weights; weights / kinds / sizes / biases: qkv_proj, o_proj,
-// gate_up_proj, down_proj (o_proj's and down_proj's biases are added after their GEMMs, where the module path adds
-// them after the TP reduction). positions: [T] int64 (rotary); attn_positions: [T] int64 contiguous (the kernel's); kv_cache:
-// [2, num_blocks, block_size, Hkv, D] of hidden's dtype; write_slots: [n_write] int64, the slots of the first n_write
-// tokens' K/V; block_table, rows: the native rows (paged_attention.cpp), covering the step's tokens.
-at::Tensor gqa_decoder_layer(const at::Tensor& hidden, const at::Tensor& positions, const std::vector<at::Tensor>& norms,
-                             double eps, const std::vector<at::Tensor>& weights, const std::vector<int64_t>& kinds,
-                             const std::vector<int64_t>& sizes, const std::vector<c10::optional<at::Tensor>>& biases,
+// norms: [input_layernorm, post_attention_layernorm] weights, + [q_norm, k_norm] for Qwen3's per-head norms;
+// weights / kinds / sizes / biases: qkv_proj, o_proj, gate_up_proj, down_proj (o_proj's and down_proj's biases are
+// added after their GEMMs, where the module path adds them after the TP reduction). positions: [T] int64 (rotary);
+// attn_positions: [T] int64 contiguous (the kernel's); kv_cache: [2, num_blocks, block_size, Hkv, D] of hidden's
+// dtype; write_slots: [n_write] int64, the slots of the first n_write tokens' K/V; block_table, rows: the native rows
+// (paged_attention.cpp), covering the step's tokens.
+at::Tensor gqa_decoder_layer(const at::Tensor& hidden, const at::Tensor& positions,
+                             const std::vector<at::Tensor>& norms, double eps, const std::vector<at::Tensor>& weights,
+                             const std::vector<int64_t>& kinds, const std::vector<int64_t>& sizes,
+                             const std::vector<c10::optional<at::Tensor>>& biases,
                              const at::Tensor& cos, const at::Tensor& sin, int64_t rotary_dim, bool interleaved,
                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, const at::Tensor& kv_cache,
                              const at::Tensor& write_slots, const at::Tensor& block_table, const at::Tensor& rows,
                              const at::Tensor& attn_positions, double scale) {
-  TORCH_CHECK(norms.size() == 2 && weights.size() == 4 && kinds.size() == 4 && sizes.size() == 4 &&
-                  biases.size() == 4,
-              "gqa_decoder_layer: two norms and four linears (qkv, o, gate_up, down)");
+  TORCH_CHECK((norms.size() == 2 || norms.size() == 4) && weights.size() == 4 && kinds.size() == 4 &&
+                  sizes.size() == 4 && biases.size() == 4,
+              "gqa_decoder_layer: two norms (four with q_norm and k_norm) and four linears (qkv, o, gate_up, down)");
   TORCH_CHECK(hidden.dim() == 2 && kv_cache.dim() == 5 && kv_cache.size(0) == 2 &&
                   kv_cache.scalar_type() == hidden.scalar_type() && kv_cache.size(3) == num_kv_heads &&
                   kv_cache.size(4) == head_dim,
@@ -80,10 +83,21 @@ at::Tensor gqa_decoder_layer(const at::Tensor& hidden, const at::Tensor& positio
   // attention: qkv, one rotation for q's and k's heads side by side, K/V into the cache, the kernel over the rows
   const at::Tensor qkv = project(tandem_native::rms_norm(hidden, norms[0], eps), kinds[0], weights[0], sizes[0],
                                  biases[0]);  // [T, q + 2 kv]
-  const at::Tensor qk = tandem_native::rotary(qkv.narrow(1, 0, q_size + kv_size).view({t, num_heads + num_kv_heads,
-                                                                                          head_dim}),
-                                              positions, cos, sin, rotary_dim, interleaved);  // [T, Hq + Hkv, D]
-  const at::Tensor q = qk.narrow(1, 0, num_heads), k = qk.narrow(1, num_heads, num_kv_heads);
+  at::Tensor q, k;  // [T, Hq, D], [T, Hkv, D] rotated
+  if (norms.size() == 4) {  // Qwen3: each head RMS-normed (q_norm, k_norm) before the rotation
+    q = tandem_native::rotary(tandem_native::rms_norm(qkv.narrow(1, 0, q_size).view({t, num_heads, head_dim}),
+                                                      norms[2], eps),
+                              positions, cos, sin, rotary_dim, interleaved);
+    k = tandem_native::rotary(tandem_native::rms_norm(qkv.narrow(1, q_size, kv_size).view({t, num_kv_heads, head_dim}),
+                                                      norms[3], eps),
+                              positions, cos, sin, rotary_dim, interleaved);
+  } else {  // q's and k's heads side by side in the fused projection: one rotation serves both
+    const at::Tensor qk = tandem_native::rotary(
+        qkv.narrow(1, 0, q_size + kv_size).view({t, num_heads + num_kv_heads, head_dim}), positions, cos, sin,
+        rotary_dim, interleaved);  // [T, Hq + Hkv, D]
+    q = qk.narrow(1, 0, num_heads);
+    k = qk.narrow(1, num_heads, num_kv_heads);
+  }
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads, head_dim});
   const at::Tensor k_flat = kv_cache.select(0, 0).flatten(0, 1), v_flat = kv_cache.select(0, 1).flatten(0, 1);
   const int64_t n_write = write_slots.size(0);
@@ -92,7 +106,8 @@ at::Tensor gqa_decoder_layer(const at::Tensor& hidden, const at::Tensor& positio
     v_flat.index_copy_(0, write_slots, v.narrow(0, 0, n_write));
   }
   at::Tensor attn = at::zeros({t, num_heads, head_dim}, hidden.options());
-  at::Tensor lse = at::full({t, num_heads}, -std::numeric_limits<float>::infinity(), hidden.options().dtype(at::kFloat));
+  at::Tensor lse = at::full({t, num_heads}, -std::numeric_limits<float>::infinity(),
+                            hidden.options().dtype(at::kFloat));
   paged_attention(q, k_flat, v_flat, block_table, rows, attn_positions, kv_cache.size(2), scale, attn, lse, -1);
   at::Tensor o = project(attn.view({t, q_size}), kinds[1], weights[1], sizes[1], c10::nullopt);
   if (biases[1].has_value() && biases[1]->defined()) o = o + *biases[1];  // after the GEMM, as the module path

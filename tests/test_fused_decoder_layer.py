@@ -76,7 +76,8 @@ def test_fused_verification_rows_stay_lossless(tiny_checkpoints, fused_calls):
                                    "prompt_lookup_max": 3})
     got = _run(spec, prompts, fused=True, max_tokens=16)
     assert [t for t, _ in got] == [t for t, _ in reference], "speculative greedy with fused layers != no-spec greedy"
-    assert max(fused_calls) > len(prompts), "a verification step (several rows per request) ran fused"
+    # the prompt step is 46 rows; a verification step 3-8 (1 + K of up to 3 drafts per request), a plain decode 2
+    assert any(len(prompts) < n <= len(prompts) * 4 for n in fused_calls), "a verification step ran fused"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

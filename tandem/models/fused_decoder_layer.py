@@ -25,7 +25,7 @@ from torch.nn.modules import module as nn_module
 
 from tandem import native
 from tandem.attention import forward_context
-from tandem.attention.backends.prefix import write_rows_leading
+from tandem.attention.backends.prefix import kernel_positions, write_rows_leading
 from tandem.attention.metadata import AttentionMetadata
 from tandem.layers.cpu_gemm import native_route
 
@@ -60,10 +60,6 @@ def layer_step(layers: torch.nn.ModuleList, x: torch.Tensor,
         write_slots = meta.write_slots
     else:
         write_slots = meta.write_slots.new_empty(0)
-    attn_positions = meta.positions if meta.positions.dtype == torch.int64 else meta.positions.long()
-    if attn_positions.shape[0] < t:  # graph padding after the rows (MTP's padded draft decodes): in no row
-        attn_positions = torch.cat((attn_positions, attn_positions.new_zeros(t - attn_positions.shape[0])))
-    attn_positions = attn_positions.contiguous()
     if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks \
             or any(layer._forward_pre_hooks or layer._forward_hooks_with_kwargs for layer in layers):
         return None  # (plain forward hooks run after each call, as module __call__ runs them)
@@ -71,7 +67,7 @@ def layer_step(layers: torch.nn.ModuleList, x: torch.Tensor,
     if any(a is None for a in args):
         return None
     by_layer = dict(zip(map(id, layers), args, strict=True))
-    step_args = (write_slots, meta.block_table, meta.native_rows, attn_positions)
+    step_args = (write_slots, meta.block_table, meta.native_rows, kernel_positions(meta, t))
 
     def run(layer: LlamaDecoderLayer, hidden: torch.Tensor) -> torch.Tensor:
         a = by_layer[id(layer)]
@@ -125,6 +121,7 @@ def _build_args(layer: LlamaDecoderLayer, x: torch.Tensor, projections: tuple) -
     widths = (x.shape[-1], attn.o_proj.weight.shape[1], x.shape[-1], mlp.down_proj.weight.shape[1])
     kinds, weights = [], []
     for proj, width in zip(projections, widths, strict=True):
+        # (a stand-in of the projection's input: its rows, width and dtype are what the route depends on)
         route = native_route(x.new_empty(x.shape[0], width), proj.weight, proj.packed_weight)
         if route is None:
             return None

@@ -35,7 +35,7 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& positions, const at::Te
 
 namespace {
 
-constexpr int64_t kPanels = 0, kSmall = 1, kAmx = 2;  // tandem/layers/cpu_gemm.py's NativeRoute kinds
+constexpr int64_t kPanels = 0, kSmall = 1, kAmx = 2;  // tandem/layers/cpu_gemm.py's PANELS, SMALL, AMX
 
 // x: [T, K] -> [T, n] through the kernel `kind` names; w: its weight as that kernel reads it
 at::Tensor project(const at::Tensor& x, int64_t kind, const at::Tensor& w, int64_t n,

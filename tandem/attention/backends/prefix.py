@@ -161,12 +161,17 @@ def _native_rows_into(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tenso
     values = k_flat[..., :dv] if v_flat is None else v_flat
     if lse is None:
         lse = torch.empty(q.shape[:2], dtype=torch.float32)  # written at the rows' tokens, unused
-    positions = meta.positions if meta.positions.dtype == torch.int64 else meta.positions.long()
-    if positions.shape[0] < q.shape[0]:  # graph padding after the rows (MTP's padded draft decodes): in no row
-        positions = torch.cat((positions, positions.new_zeros(q.shape[0] - positions.shape[0])))
-    native.paged_attention(q, k_flat, values, meta.block_table, rows, positions.contiguous(), meta.block_size,
-                           scale, out, lse)
+    native.paged_attention(q, k_flat, values, meta.block_table, rows, kernel_positions(meta, q.shape[0]),
+                           meta.block_size, scale, out, lse)
     return out
+
+
+def kernel_positions(meta: AttentionMetadata, num_tokens: int) -> torch.Tensor:
+    """meta's positions as the native kernel reads them: [num_tokens] int64, contiguous."""
+    positions = meta.positions if meta.positions.dtype == torch.int64 else meta.positions.long()
+    if positions.shape[0] < num_tokens:  # graph padding after the rows (MTP's padded draft decodes): in no row
+        positions = torch.cat((positions, positions.new_zeros(num_tokens - positions.shape[0])))
+    return positions.contiguous()
 
 
 def _merge_shared_prefix(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, k_flat: torch.Tensor,

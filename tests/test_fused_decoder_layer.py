@@ -1,14 +1,15 @@
 """The fused decoder layer (tandem/native/decoder_layer.cpp, tandem/models/fused_decoder_layer.py): a Llama-family
 step of short rows (decodes, verification rows) through one native call a layer gives the module path's tokens and
 logprobs bit for bit, in float32 and bfloat16, at batch 1 and in batches, with biases, with speculative
-verification rows, with Qwen3's per-head q/k norms; steps it does not serve (a shared prefix) take the module
-path."""
+verification rows, with Qwen3's per-head q/k norms, in an EAGLE-3 head's layer (its drafts too); steps it does not
+serve (a shared prefix) take the module path."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from engine_utils import random_prompts
+from eagle3_checkpoint import build_eagle3_head
+from engine_utils import random_prompts, record_steps
 from hf_oracle import hf_greedy
 
 from tandem import LLM, SamplingParams, native
@@ -19,12 +20,13 @@ pytestmark = pytest.mark.usefixtures("native_kernels")
 
 @pytest.fixture
 def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The rows of every fused call this test makes (so a test cannot pass by never taking the path)."""
+    """The rows of every fused call this test makes (so a test cannot pass by never taking the path), negated for
+    calls with their own qkv input (an EAGLE-3 head's layer)."""
     calls: list[int] = []
     real = native.gqa_decoder_layer
 
     def counted(hidden: torch.Tensor, *args: object) -> torch.Tensor:
-        calls.append(hidden.shape[0])
+        calls.append(hidden.shape[0] if args[-1] is None else -hidden.shape[0])  # negative: an EAGLE-3 head's layer
         return real(hidden, *args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(native, "gqa_decoder_layer", counted)
@@ -118,3 +120,24 @@ def test_gqa_decoder_layer_refuses_bad_arguments():
         native.gqa_decoder_layer(**{**base, "sizes": [16, 8, 16, 8]})  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="write_slots"):
         native.gqa_decoder_layer(**{**base, "write_slots": torch.zeros(2, dtype=torch.int64)})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_eagle3_head_layer_gives_the_module_paths_drafts(tiny_checkpoints, fused_calls, tmp_path, monkeypatch,
+                                                               dtype):
+    # the head's layer reads cat(norm(embeds), norm(hidden)) [T, 2H] into qkv: the fused call takes it as attn_input
+    target = tiny_checkpoints("llama", overrides={"num_hidden_layers": 4})
+    head = build_eagle3_head(target, tmp_path / "head")
+    llm = LLM(str(target), dtype=dtype, enable_prefix_caching=False,
+              speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 3})
+    steps = record_steps(llm, monkeypatch)
+    prompts = random_prompts([11, 4, 23], vocab_size=500, seed=5)
+    reference = _run(llm, prompts, fused=False, max_tokens=12)
+    reference_drafts = [out.draft_token_ids for _, out in steps]
+    assert not fused_calls
+    steps.clear()
+    got = _run(llm, prompts, fused=True, max_tokens=12)
+    assert got == reference, "fused layers changed tokens or logprobs"
+    assert [out.draft_token_ids for _, out in steps] == reference_drafts, "the fused head drafted other tokens"
+    # the head's draft decodes (3 rows) and its step 0 over the verified rows ran fused
+    assert fused_calls.count(-len(prompts)) >= 2 and any(n < -len(prompts) for n in fused_calls)

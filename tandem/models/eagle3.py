@@ -29,6 +29,7 @@ from tandem.distributed.groups import SINGLE
 from tandem.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tandem.layers.linear import ReplicatedLinear
 from tandem.layers.norm import RMSNorm
+from tandem.models import fused_decoder_layer
 from tandem.models.checkpoint_reader import WeightLoadError, read_checkpoint
 from tandem.models.llama import GatedMLP, GQAAttention
 from tandem.models.loader import load_weights, packed_weight_target
@@ -146,9 +147,13 @@ class Eagle3DecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         # embeds, hidden: [T, H] -> the pre-norm output [T, H]
+        fused = fused_decoder_layer.layer_step((self,), embeds, positions)  # one native call, or None
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
-        attn = self.self_attn(positions, torch.cat((self.input_layernorm(embeds), normed), dim=-1))
+        attn_input = torch.cat((self.input_layernorm(embeds), normed), dim=-1)  # [T, 2H]
+        if fused is not None:
+            return fused(self, residual, attn_input)
+        attn = self.self_attn(positions, attn_input)
         normed, residual = self.post_attention_layernorm.add_residual(attn, residual)
         return self.mlp(normed) + residual
 

@@ -10,14 +10,15 @@ and lays out its arguments, the per-step ones once a step and the per-layer ones
 It serves an eager step where: the native kernels serve the model's dtype; the step's attention metadata is the
 PAGED_SDPA backend's with every row on the native kernel (no shared prefix, no prompt rows, no PCP gather, no
 sharded KV) and its K/V rows written in order; and every layer is a plain LlamaDecoderLayer (Llama, or Qwen3 with its
-per-head q/k norms; one TP rank) whose cache holds the model's dtype with unit K/V scales and no calibration armed,
-and whose linears all run on native kernels at this row count (tandem/layers/cpu_gemm.native_route). Anything else
+per-head q/k norms; one TP rank) or an EAGLE-3 head's layer (whose qkv input, its embedded tokens' norm beside its
+hidden state's, the caller passes in), whose cache holds the model's dtype with unit K/V scales and no calibration
+armed, and whose linears all run on native kernels at this row count (tandem/layers/cpu_gemm.native_route). Anything else
 takes the module path, which stays the reference.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,15 +31,16 @@ from tandem.attention.metadata import AttentionMetadata
 from tandem.layers.cpu_gemm import native_route
 
 if TYPE_CHECKING:
+    from tandem.models.eagle3 import Eagle3DecoderLayer
     from tandem.models.llama import LlamaDecoderLayer
 
 enabled = True  # tests and benchmarks compare against the module path by turning it off
 
 
-def layer_step(layers: torch.nn.ModuleList, x: torch.Tensor,
-               positions: torch.Tensor) -> Callable[[LlamaDecoderLayer, torch.Tensor], torch.Tensor] | None:
-    """For this step (x: [T, H] the embedded tokens, positions: [T]): a function (layer, hidden) -> the layer's output
-    through the native call, or None where the module path must run (the module docstring says when)."""
+def layer_step(layers: Sequence[torch.nn.Module], x: torch.Tensor, positions: torch.Tensor) -> Callable | None:
+    """For this step (x: [T, H] the embedded tokens, positions: [T]): a function (layer, hidden[, attn_input]) -> the
+    layer's output through the native call, or None where the module path must run (the module docstring says when).
+    attn_input: qkv's input where it is not the input norm of hidden (EAGLE-3's layer)."""
     if not enabled or torch.compiler.is_compiling() or x.dim() != 2 or positions.dtype != torch.int64 \
             or not native.serves_elementwise(x):
         return None
@@ -69,10 +71,12 @@ def layer_step(layers: torch.nn.ModuleList, x: torch.Tensor,
     by_layer = dict(zip(map(id, layers), args, strict=True))
     step_args = (write_slots, meta.block_table, meta.native_rows, kernel_positions(meta, t))
 
-    def run(layer: LlamaDecoderLayer, hidden: torch.Tensor) -> torch.Tensor:
+    def run(layer: LlamaDecoderLayer | Eagle3DecoderLayer, hidden: torch.Tensor,
+            attn_input: torch.Tensor | None = None) -> torch.Tensor:
         a = by_layer[id(layer)]
         assert a is not None
-        out = native.gqa_decoder_layer(hidden, positions, *a[:13], a[13].kv_cache, *step_args, a[13].scale)
+        out = native.gqa_decoder_layer(hidden, positions, *a[:13], a[13].kv_cache, *step_args, a[13].scale,
+                                       attn_input)
         for hook in layer._forward_hooks.values():  # what module __call__ would run (EAGLE-3's aux layer captures)
             result = hook(layer, (positions, hidden), out)
             out = out if result is None else result
@@ -81,7 +85,7 @@ def layer_step(layers: torch.nn.ModuleList, x: torch.Tensor,
     return run
 
 
-def _layer_args(layer: LlamaDecoderLayer, x: torch.Tensor) -> tuple | None:
+def _layer_args(layer: LlamaDecoderLayer | Eagle3DecoderLayer, x: torch.Tensor) -> tuple | None:
     """The layer's arguments of the native call at x's row count, its attention module last (whose kv_cache the call
     reads at each step: a cached reference would keep a replaced cache alive), or None where it does not serve.
     Cached on the layer per row count, rebuilt when a weight's layout or the cache's dtype changes."""
@@ -100,8 +104,9 @@ def _layer_args(layer: LlamaDecoderLayer, x: torch.Tensor) -> tuple | None:
     return args
 
 
-def _build_args(layer: LlamaDecoderLayer, x: torch.Tensor, projections: tuple) -> tuple | None:
-    from tandem.models.llama import LlamaDecoderLayer  # (the model imports this module)
+def _build_args(layer: LlamaDecoderLayer | Eagle3DecoderLayer, x: torch.Tensor, projections: tuple) -> tuple | None:
+    from tandem.models.eagle3 import Eagle3DecoderLayer  # (the models import this module)
+    from tandem.models.llama import LlamaDecoderLayer
 
     attn, mlp = layer.self_attn, layer.mlp
     core = attn.attn
@@ -109,7 +114,7 @@ def _build_args(layer: LlamaDecoderLayer, x: torch.Tensor, projections: tuple) -
     if head_norms and (len(head_norms) != 2 or any(n.eps != layer.input_layernorm.eps or n.weight.dtype != x.dtype
                                                    for n in head_norms)):
         return None
-    if type(layer) is not LlamaDecoderLayer or core.kv_cache.dtype != x.dtype \
+    if type(layer) not in (LlamaDecoderLayer, Eagle3DecoderLayer) or core.kv_cache.dtype != x.dtype \
             or core.kv_cache.dim() != 5 \
             or attn.o_proj.tp.size != 1 or mlp.down_proj.tp.size != 1 \
             or attn.rotary_emb.cos_cache.dtype != torch.float32 \
@@ -118,7 +123,7 @@ def _build_args(layer: LlamaDecoderLayer, x: torch.Tensor, projections: tuple) -
             or layer.input_layernorm.weight.dtype != x.dtype \
             or layer.post_attention_layernorm.weight.dtype != x.dtype:
         return None
-    widths = (x.shape[-1], attn.o_proj.weight.shape[1], x.shape[-1], mlp.down_proj.weight.shape[1])
+    widths = [p.weight.shape[1] for p in projections]  # (EAGLE-3's qkv reads 2H)
     kinds, weights = [], []
     for proj, width in zip(projections, widths, strict=True):
         # (a stand-in of the projection's input: its rows, width and dtype are what the route depends on)

@@ -373,14 +373,17 @@ def gqa_decoder_layer(hidden: torch.Tensor, positions: torch.Tensor, norms: list
                       biases: list[torch.Tensor | None], cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
                       interleaved: bool, num_heads: int, num_kv_heads: int, head_dim: int, kv_cache: torch.Tensor,
                       write_slots: torch.Tensor, block_table: torch.Tensor, rows: torch.Tensor,
-                      attn_positions: torch.Tensor, scale: float) -> torch.Tensor:
+                      attn_positions: torch.Tensor, scale: float,
+                      attn_input: torch.Tensor | None = None) -> torch.Tensor:
     """hidden: [T, H] the residual stream into a Llama-family layer -> [T, H] out of it: RMSNorm, qkv, rotary, K/V
     written at write_slots (the first len(write_slots) tokens'), paged attention over `rows` (paged_attention's
     form), o, residual add + RMSNorm, gate_up, SwiGLU, down, residual add; each linear on the kernel kinds[i]
-    names (tandem.layers.cpu_gemm.native_route) with weights[i]. The module path's kernels in its order: its bits."""
+    names (tandem.layers.cpu_gemm.native_route) with weights[i]. The module path's kernels in its order: its bits.
+    attn_input: [T, K] qkv's input in place of the RMSNorm of hidden (an EAGLE-3 head's layer)."""
     return torch.ops.tandem_native.gqa_decoder_layer(hidden, positions, norms, eps, weights, kinds, sizes, biases, cos,
                                                      sin, rotary_dim, interleaved, num_heads, num_kv_heads, head_dim,
-                                                     kv_cache, write_slots, block_table, rows, attn_positions, scale)
+                                                     kv_cache, write_slots, block_table, rows, attn_positions, scale,
+                                                     attn_input)
 
 
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,

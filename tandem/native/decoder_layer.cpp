@@ -58,7 +58,9 @@ at::Tensor project(const at::Tensor& x, int64_t kind, const at::Tensor& w, int64
 // added after their GEMMs, where the module path adds them after the TP reduction). positions: [T] int64 (rotary);
 // attn_positions: [T] int64 contiguous (the kernel's); kv_cache: [2, num_blocks, block_size, Hkv, D] of hidden's
 // dtype; write_slots: [n_write] int64, the slots of the first n_write tokens' K/V; block_table, rows: the native rows
-// (paged_attention.cpp), covering the step's tokens.
+// (paged_attention.cpp), covering the step's tokens. attn_input: [T, K] qkv_proj's input where it is not the input
+// norm of hidden (an EAGLE-3 head's layer: its embedded tokens' norm beside its hidden norm, [T, 2H]); norms[0] is
+// then unused.
 at::Tensor gqa_decoder_layer(const at::Tensor& hidden, const at::Tensor& positions,
                              const std::vector<at::Tensor>& norms, double eps, const std::vector<at::Tensor>& weights,
                              const std::vector<int64_t>& kinds, const std::vector<int64_t>& sizes,
@@ -66,7 +68,8 @@ at::Tensor gqa_decoder_layer(const at::Tensor& hidden, const at::Tensor& positio
                              const at::Tensor& cos, const at::Tensor& sin, int64_t rotary_dim, bool interleaved,
                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, const at::Tensor& kv_cache,
                              const at::Tensor& write_slots, const at::Tensor& block_table, const at::Tensor& rows,
-                             const at::Tensor& attn_positions, double scale) {
+                             const at::Tensor& attn_positions, double scale,
+                             const c10::optional<at::Tensor>& attn_input) {
   TORCH_CHECK((norms.size() == 2 || norms.size() == 4) && weights.size() == 4 && kinds.size() == 4 &&
                   sizes.size() == 4 && biases.size() == 4,
               "gqa_decoder_layer: two norms (four with q_norm and k_norm) and four linears (qkv, o, gate_up, down)");
@@ -81,8 +84,12 @@ at::Tensor gqa_decoder_layer(const at::Tensor& hidden, const at::Tensor& positio
               "gqa_decoder_layer: write_slots must be int64 [<= T]");
 
   // attention: qkv, one rotation for q's and k's heads side by side, K/V into the cache, the kernel over the rows
-  const at::Tensor qkv = project(tandem_native::rms_norm(hidden, norms[0], eps), kinds[0], weights[0], sizes[0],
-                                 biases[0]);  // [T, q + 2 kv]
+  const bool own_input = attn_input.has_value() && attn_input->defined();
+  TORCH_CHECK(!own_input || (attn_input->dim() == 2 && attn_input->size(0) == t &&
+                             attn_input->scalar_type() == hidden.scalar_type()),
+              "gqa_decoder_layer: attn_input must be [T, K] of hidden's dtype");
+  const at::Tensor qkv = project(own_input ? *attn_input : tandem_native::rms_norm(hidden, norms[0], eps), kinds[0],
+                                 weights[0], sizes[0], biases[0]);  // [T, q + 2 kv]
   at::Tensor q, k;  // [T, Hq, D], [T, Hkv, D] rotated
   if (norms.size() == 4) {  // Qwen3: each head RMS-normed (q_norm, k_norm) before the rotation
     q = tandem_native::rotary(tandem_native::rms_norm(qkv.narrow(1, 0, q_size).view({t, num_heads, head_dim}),
@@ -126,6 +133,6 @@ TORCH_LIBRARY_FRAGMENT(tandem_native, m) {
   m.def("gqa_decoder_layer(Tensor hidden, Tensor positions, Tensor[] norms, float eps, Tensor[] weights, int[] kinds, "
         "int[] sizes, Tensor?[] biases, Tensor cos, Tensor sin, int rotary_dim, bool interleaved, int num_heads, "
         "int num_kv_heads, int head_dim, Tensor(a!) kv_cache, Tensor write_slots, Tensor block_table, Tensor rows, "
-        "Tensor attn_positions, float scale) -> Tensor");
+        "Tensor attn_positions, float scale, Tensor? attn_input=None) -> Tensor");
   m.impl("gqa_decoder_layer", torch::kCPU, &gqa_decoder_layer);
 }

@@ -12,8 +12,8 @@ PAGED_SDPA backend's with every row on the native kernel (no shared prefix, no p
 sharded KV) and its K/V rows written in order; and every layer is a plain LlamaDecoderLayer (Llama, or Qwen3 with its
 per-head q/k norms; one TP rank) or an EAGLE-3 head's layer (whose qkv input, its embedded tokens' norm beside its
 hidden state's, the caller passes in), whose cache holds the model's dtype with unit K/V scales and no calibration
-armed, and whose linears all run on native kernels at this row count (tandem/layers/cpu_gemm.native_route). Anything else
-takes the module path, which stays the reference.
+armed, and whose linears all run on native kernels at this row count (tandem/layers/cpu_gemm.native_route).
+Anything else takes the module path, which stays the reference.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ over rounds of the per-round ratio).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -54,6 +55,10 @@ def run_round(model: str, configs: dict[str, dict | None], order: list[str], tex
     finally:
         for engine in engines.values():
             engine.shutdown()
+        # an engine's objects refer to each other: without a collection here the last round's engines (~2 GB each
+        # for SmolLM2) stayed alive beside the next round's, and six SmolLM2 engines at batch 32 were OOM-killed
+        engines.clear()
+        gc.collect()
 
 
 def main() -> None:

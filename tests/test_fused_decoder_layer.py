@@ -131,13 +131,17 @@ def test_fused_eagle3_head_layer_gives_the_module_paths_drafts(tiny_checkpoints,
     llm = LLM(str(target), dtype=dtype, enable_prefix_caching=False,
               speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 3})
     steps = record_steps(llm, monkeypatch)
+    hooked: list[int] = []  # a forward hook on the head's layer runs once a call on either path
+    llm.engine.executor.runner.proposer.mtp.midlayer.register_forward_hook(lambda m, a, out: hooked.append(1))
     prompts = random_prompts([11, 4, 23], vocab_size=500, seed=5)
     reference = _run(llm, prompts, fused=False, max_tokens=12)
-    reference_drafts = [out.draft_token_ids for _, out in steps]
+    reference_drafts, reference_hooks = [out.draft_token_ids for _, out in steps], len(hooked)
     assert not fused_calls
     steps.clear()
+    hooked.clear()
     got = _run(llm, prompts, fused=True, max_tokens=12)
     assert got == reference, "fused layers changed tokens or logprobs"
     assert [out.draft_token_ids for _, out in steps] == reference_drafts, "the fused head drafted other tokens"
+    assert len(hooked) == reference_hooks
     # the head's draft decodes (3 rows) and its step 0 over the verified rows ran fused
     assert fused_calls.count(-len(prompts)) >= 2 and any(n < -len(prompts) for n in fused_calls)

@@ -152,7 +152,7 @@ class Eagle3DecoderLayer(nn.Module):
         residual = normed if self.norm_before_residual else hidden
         attn_input = torch.cat((self.input_layernorm(embeds), normed), dim=-1)  # [T, 2H]
         if fused is not None:
-            return fused(self, residual, attn_input)
+            return fused(self, residual, attn_input, hooks=False)  # (this forward's __call__ runs them)
         attn = self.self_attn(positions, attn_input)
         normed, residual = self.post_attention_layernorm.add_residual(attn, residual)
         return self.mlp(normed) + residual

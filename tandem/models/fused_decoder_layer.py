@@ -72,11 +72,14 @@ def layer_step(layers: Sequence[torch.nn.Module], x: torch.Tensor, positions: to
     step_args = (write_slots, meta.block_table, meta.native_rows, kernel_positions(meta, t))
 
     def run(layer: LlamaDecoderLayer | Eagle3DecoderLayer, hidden: torch.Tensor,
-            attn_input: torch.Tensor | None = None) -> torch.Tensor:
+            attn_input: torch.Tensor | None = None, *, hooks: bool = True) -> torch.Tensor:
+        # hooks: False where the call runs inside the layer's own forward (EAGLE-3's), whose __call__ runs them
         a = by_layer[id(layer)]
         assert a is not None
         out = native.gqa_decoder_layer(hidden, positions, *a[:13], a[13].kv_cache, *step_args, a[13].scale,
                                        attn_input)
+        if not hooks:
+            return out
         for hook in layer._forward_hooks.values():  # what module __call__ would run (EAGLE-3's aux layer captures)
             result = hook(layer, (positions, hidden), out)
             out = out if result is None else result

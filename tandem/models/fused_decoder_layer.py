@@ -92,6 +92,14 @@ def _layer_args(layer: LlamaDecoderLayer | Eagle3DecoderLayer, x: torch.Tensor) 
     """The layer's arguments of the native call at x's row count, its attention module last (whose kv_cache the call
     reads at each step: a cached reference would keep a replaced cache alive), or None where it does not serve.
     Cached on the layer per row count, rebuilt when a weight's layout or the cache's dtype changes."""
+    cached = layer.__dict__.get("_fused_args")
+    if cached is not None:  # (the check reads plain attributes only: nn.Module's submodule lookups cost ~1 us each)
+        shape, core, projections, tensors, args = cached
+        cache = core.kv_cache
+        if core.kv_scale_calibration is None and core.k_scale == 1.0 and core.v_scale == 1.0 \
+                and shape == (x.shape[0], x.dtype, cache.dtype, cache.dim()) \
+                and all(p.packed_weight is w for p, w in zip(projections, tensors, strict=True)):
+            return args
     attn, mlp = layer.self_attn, layer.mlp
     core = attn.attn
     if core.kv_scale_calibration is not None or core.k_scale != 1.0 or core.v_scale != 1.0:  # (may change per step)
@@ -99,11 +107,8 @@ def _layer_args(layer: LlamaDecoderLayer | Eagle3DecoderLayer, x: torch.Tensor) 
     projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     shape = (x.shape[0], x.dtype, core.kv_cache.dtype, core.kv_cache.dim())
     tensors = tuple(p.packed_weight for p in projections)
-    cached = layer.__dict__.get("_fused_args")
-    if cached is not None and cached[0] == shape and all(a is b for a, b in zip(cached[1], tensors, strict=True)):
-        return cached[2]
     args = _build_args(layer, x, projections)
-    layer.__dict__["_fused_args"] = (shape, tensors, args)
+    layer.__dict__["_fused_args"] = (shape, core, projections, tensors, args)
     return args
 
 

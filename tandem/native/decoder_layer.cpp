@@ -11,7 +11,9 @@
 
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <tuple>
 #include <vector>
@@ -49,6 +51,53 @@ at::Tensor project(const at::Tensor& x, int64_t kind, const at::Tensor& w, int64
       return amx_linear(x, w, bias);
     default:
       TORCH_CHECK(false, "gqa_decoder_layer: linear kind ", kind, " is not one of 0 (panels), 1 (small), 2 (amx)");
+  }
+}
+
+// K/V rows [n_write, Hkv, D] (rows and heads strided, D contiguous) into the cache's slots write_slots [n_write]
+// of k_flat / v_flat [slots, Hkv, D]: the index_copy_ of the module path as plain copies (two dispatches and their
+// narrows cost ~18 us a layer at batch 1, where the copy itself is 2 x 384 bytes)
+void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& write_slots, const at::Tensor& k_flat,
+              const at::Tensor& v_flat) {
+  const int64_t n_write = write_slots.size(0), heads = k.size(1), d = k.size(2), slots = k_flat.size(0);
+  const int64_t elem = k.element_size();
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k_flat.stride(2) == 1 && v_flat.stride(2) == 1 &&
+                  k_flat.stride(1) == d && v_flat.stride(1) == d && v.size(1) == heads && v.size(2) == d,
+              "gqa_decoder_layer: K/V rows and the cache must have contiguous heads");
+  const at::Tensor slots_c = write_slots.contiguous();
+  const int64_t* slot = slots_c.data_ptr<int64_t>();
+  const auto* ks = static_cast<const char*>(k.data_ptr());
+  const auto* vs = static_cast<const char*>(v.data_ptr());
+  auto* kd = static_cast<char*>(k_flat.data_ptr());
+  auto* vd = static_cast<char*>(v_flat.data_ptr());
+  for (int64_t i = 0; i < n_write; ++i) {
+    TORCH_CHECK(slot[i] >= 0 && slot[i] < slots, "gqa_decoder_layer: write slot ", slot[i], " is outside [0, ",
+                slots, ")");
+    for (int64_t h = 0; h < heads; ++h) {
+      std::memcpy(kd + (slot[i] * k_flat.stride(0) + h * d) * elem, ks + (i * k.stride(0) + h * k.stride(1)) * elem,
+                  d * elem);
+      std::memcpy(vd + (slot[i] * v_flat.stride(0) + h * d) * elem, vs + (i * v.stride(0) + h * v.stride(1)) * elem,
+                  d * elem);
+    }
+  }
+}
+
+// out += residual, both contiguous [T, H] of one dtype: each sum in float32, rounded once to the dtype (what
+// `residual + out` computes) without a dispatch and an allocation (~5 us a layer at batch 1)
+void add_into(at::Tensor& out, const at::Tensor& residual) {
+  TORCH_CHECK(out.is_contiguous() && residual.is_contiguous() && out.sizes() == residual.sizes() &&
+                  out.scalar_type() == residual.scalar_type(),
+              "gqa_decoder_layer: the MLP's output and the residual must be contiguous [T, H] of one dtype");
+  const int64_t n = out.numel();
+  if (out.scalar_type() == at::kFloat) {
+    float* o = out.data_ptr<float>();
+    const float* r = residual.data_ptr<float>();
+    for (int64_t i = 0; i < n; ++i) o[i] = r[i] + o[i];
+  } else {
+    TORCH_CHECK(out.scalar_type() == at::kBFloat16, "gqa_decoder_layer: float32 or bfloat16 hidden states");
+    auto* o = out.data_ptr<at::BFloat16>();
+    const auto* r = residual.data_ptr<at::BFloat16>();
+    for (int64_t i = 0; i < n; ++i) o[i] = at::BFloat16(static_cast<float>(r[i]) + static_cast<float>(o[i]));
   }
 }
 
@@ -108,13 +157,12 @@ at::Tensor gqa_decoder_layer(const at::Tensor& hidden, const at::Tensor& positio
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads, head_dim});
   const at::Tensor k_flat = kv_cache.select(0, 0).flatten(0, 1), v_flat = kv_cache.select(0, 1).flatten(0, 1);
   const int64_t n_write = write_slots.size(0);
-  if (n_write) {
-    k_flat.index_copy_(0, write_slots, k.narrow(0, 0, n_write));
-    v_flat.index_copy_(0, write_slots, v.narrow(0, 0, n_write));
-  }
-  at::Tensor attn = at::zeros({t, num_heads, head_dim}, hidden.options());
-  at::Tensor lse = at::full({t, num_heads}, -std::numeric_limits<float>::infinity(),
-                            hidden.options().dtype(at::kFloat));
+  if (n_write) write_kv(k, v, write_slots, k_flat, v_flat);
+  // the kernel merges into out and lse (a row's key ranges by log-sum-exp): zero sums, -inf maxima to start
+  at::Tensor attn = at::empty({t, num_heads, head_dim}, hidden.options());
+  at::Tensor lse = at::empty({t, num_heads}, hidden.options().dtype(at::kFloat));
+  std::memset(attn.data_ptr(), 0, attn.nbytes());  // all-zero bits are 0.0 in float32 and bfloat16
+  std::fill_n(lse.data_ptr<float>(), lse.numel(), -std::numeric_limits<float>::infinity());
   paged_attention(q, k_flat, v_flat, block_table, rows, attn_positions, kv_cache.size(2), scale, attn, lse, -1);
   at::Tensor o = project(attn.view({t, q_size}), kinds[1], weights[1], sizes[1], c10::nullopt);
   if (biases[1].has_value() && biases[1]->defined()) o = o + *biases[1];  // after the GEMM, as the module path
@@ -124,7 +172,8 @@ at::Tensor gqa_decoder_layer(const at::Tensor& hidden, const at::Tensor& positio
   const at::Tensor gate_up = project(normed, kinds[2], weights[2], sizes[2], biases[2]);
   at::Tensor down = project(tandem_native::silu_and_mul(gate_up), kinds[3], weights[3], sizes[3], c10::nullopt);
   if (biases[3].has_value() && biases[3]->defined()) down = down + *biases[3];
-  return summed + down;
+  add_into(down, summed);  // the layer's output: the residual stream plus the MLP
+  return down;
 }
 
 }  // namespace

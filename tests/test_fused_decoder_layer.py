@@ -120,6 +120,9 @@ def test_gqa_decoder_layer_refuses_bad_arguments():
         native.gqa_decoder_layer(**{**base, "sizes": [16, 8, 16, 8]})  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="write_slots"):
         native.gqa_decoder_layer(**{**base, "write_slots": torch.zeros(2, dtype=torch.int64)})  # type: ignore[arg-type]
+    for slot in (-1, 16):  # the cache holds slots 0..15: a slot outside it is refused before any write
+        with pytest.raises(RuntimeError, match=f"write slot {slot} is outside"):
+            native.gqa_decoder_layer(**{**base, "write_slots": torch.tensor([slot])})  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

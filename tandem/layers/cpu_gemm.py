@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem import native
+from tandem.layers.huge_pages import onto_huge_pages
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 DECODE_ROWS_HINT = 32  # the rows oneDNN blocks a packed weight for; any row count runs on it
@@ -199,7 +200,7 @@ def prepack_linears(model: nn.Module, lm_head_only: bool, amx: bool = False) -> 
     (prepack)."""
     from tandem.layers.embedding import ParallelLMHead
 
-    count = 0
+    count, ours = 0, []
     for module in model.modules():
         if not hasattr(module, "packed_weight"):
             continue
@@ -208,4 +209,7 @@ def prepack_linears(model: nn.Module, lm_head_only: bool, amx: bool = False) -> 
             continue  # inside compiled pieces inductor's freezing packs for oneDNN; AMX's and the panels' are ours
         module.packed_weight = prepack(module.weight, amx)
         count += module.packed_weight is not None
+        if module.packed_weight is not None and amx and (_panel_fits(module.weight) or _amx_fits(module.weight)):
+            ours.append(module)
+    onto_huge_pages(ours)
     return count

@@ -172,8 +172,7 @@ void run_panels(const float* xp, const W* wp, int64_t m, int64_t k, int64_t n, i
         const int64_t np = panels_at_once(block);
         for (int64_t p = begin; p < end;) {
           const int64_t at_once = p + np <= end ? np : 1;  // the thread's last few panels one at a time
-          const char* e_ = getenv("NPPF"); const bool npf_ = e_ != nullptr && e_[0] == 0x31;
-          pass_for<W, O>(block, at_once, npf_)(xp + m0 * k, k, wp + p * panel, k, 0, k, partial, n, p * kPanel, bp,
+          pass_for<W, O>(block, at_once)(xp + m0 * k, k, wp + p * panel, k, 0, k, partial, n, p * kPanel, bp,
                                          op + m0 * n, n);
           p += at_once;
         }

@@ -49,6 +49,7 @@ def test_every_variable_is_documented_and_every_documented_one_declared():
     ("TANDEM_STEP_TIMEOUT_S", "inf", envs.step_timeout_s),
     ("TANDEM_NATIVE_KERNELS", "off", envs.native_kernels),
     ("TANDEM_KEEP_HOST_MEMORY", "yes", envs.keep_host_memory),
+    ("TANDEM_HUGE_PAGES", "2", envs.huge_pages),
     ("TANDEM_DSPARK_CONTEXT_KV", "both", lambda: envs.dspark_context_kv(("sharded", "replicated"))),
 ])
 def test_a_malformed_value_names_the_variable(monkeypatch, name, value, call):

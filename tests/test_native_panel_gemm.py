@@ -88,6 +88,9 @@ def test_a_rows_result_does_not_depend_on_its_batch(dtype: torch.dtype) -> None:
         assert torch.equal(native.panel_linear(x[:rows], packed, 960, None), full[:rows])
     for row in (5, 77, 129, 299):
         assert torch.equal(native.panel_linear(x[row:row + 1], packed, 960, None), full[row:row + 1])
+    wide = torch.cat([x, torch.randn(300, 64, generator=g).to(dtype)], dim=1)  # rows 1,600 apart in memory
+    for rows in (1, 4, 300):
+        assert torch.equal(native.panel_linear(wide[:rows, :1536], packed, 960, None), full[:rows])
 
 
 @needs_panels

@@ -47,6 +47,8 @@ constexpr int64_t kRowBlock = 128;
 // 18.8, one row 8.2 / 8.1
 constexpr int64_t kWholeRows = 12;
 constexpr int64_t kAheadSteps = 32;
+// bf16 rows widened into a buffer each thread keeps, up to this many floats (256 KiB: 64 rows of K = 1,024)
+constexpr int64_t kKeptWidened = 64 << 10;
 
 #if defined(__AVX2__) && defined(__FMA__)
 // a panel's 16 weights at one k as float32: columns 0-7 and 8-15
@@ -246,16 +248,19 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
 #if !defined(__AVX2__) || !defined(__FMA__)
   TORCH_CHECK(false, "panel_linear: built without avx2 and FMA (tandem.native.panels_available() says so)");
 #else
-  // x as contiguous float32 rows: bf16 widened once (exact) into this thread's buffer, float32 read in place where
-  // its rows lie back to back. Not through `x.to(kFloat)`: at a decode's one row that dispatch and its allocation
-  // (~5-8 us) were a tenth of a small projection's time, four times a layer.
-  thread_local std::vector<float> widened;
+  // x as contiguous float32 rows: bf16 widened once (exact) into this thread's buffer (decode-sized rows; a prompt
+  // chunk's into one of its own, not kept), float32 read in place where its rows lie back to back. Not through
+  // `x.to(kFloat)`: at a decode's one row that dispatch and its allocation (~5-8 us) were a tenth of a small
+  // projection's time, four times a layer.
+  thread_local std::vector<float> small_rows;
+  std::vector<float> large_rows;
   const float* xp;
   at::Tensor x_dense;
   if (dtype == at::kFloat) {
     x_dense = m == 1 || x.stride(0) == k ? x : x.contiguous();
     xp = x_dense.data_ptr<float>();
   } else {
+    std::vector<float>& widened = m * k <= kKeptWidened ? small_rows : large_rows;
     widened.resize(static_cast<size_t>(m * k));
     const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
     for (int64_t r = 0; r < m; ++r) {

@@ -204,12 +204,12 @@ def prepack_linears(model: nn.Module, lm_head_only: bool, amx: bool = False) -> 
     for module in model.modules():
         if not hasattr(module, "packed_weight"):
             continue
-        if lm_head_only and not isinstance(module, ParallelLMHead) \
-                and not (amx and (_amx_fits(module.weight) or _panel_fits(module.weight))):
+        native_layout = amx and (_amx_fits(module.weight) or _panel_fits(module.weight))  # AMX's or the panels'
+        if lm_head_only and not isinstance(module, ParallelLMHead) and not native_layout:
             continue  # inside compiled pieces inductor's freezing packs for oneDNN; AMX's and the panels' are ours
         module.packed_weight = prepack(module.weight, amx)
         count += module.packed_weight is not None
-        if module.packed_weight is not None and amx and (_panel_fits(module.weight) or _amx_fits(module.weight)):
+        if module.packed_weight is not None and native_layout:
             ours.append(module)
     onto_huge_pages(ours)
     return count

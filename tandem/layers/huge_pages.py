@@ -42,12 +42,12 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor | None:
             or not hasattr(mmap, "MADV_HUGEPAGE") or transparent_huge_pages() not in ("always", "madvise"):
         return None
     size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-    region = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    whole = torch.frombuffer(region, dtype=torch.uint8)  # (holds the mapping until its storage is freed)
-    skip = -whole.data_ptr() % HUGE_PAGE  # a multiple of 4 KiB: mmap's base is page-aligned
     try:
+        region = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        whole = torch.frombuffer(region, dtype=torch.uint8)  # (holds the mapping until its storage is freed)
+        skip = -whole.data_ptr() % HUGE_PAGE  # a multiple of 4 KiB: mmap's base is page-aligned
         region.madvise(mmap.MADV_HUGEPAGE, skip, size)
-    except OSError:
+    except OSError:  # no such mapping here (an address-space limit) or no madvise: the weights stay where they are
         return None
     return whole[skip:skip + nbytes]
 

@@ -97,24 +97,30 @@ def _layer_args(layer: LlamaDecoderLayer | Eagle3DecoderLayer, x: torch.Tensor) 
     by_rows = layer.__dict__.setdefault("_fused_args", {})
     cached = by_rows.get(x.shape[0])
     if cached is not None:  # (the check reads plain attributes only: nn.Module's submodule lookups cost ~1 us each)
-        shape, core, projections, tensors, args = cached
-        cache = core.kv_cache
-        if core.kv_scale_calibration is None and core.k_scale == 1.0 and core.v_scale == 1.0 \
-                and shape == (x.dtype, cache.dtype, cache.dim()) \
+        key, core, projections, tensors, args = cached
+        if _plain_cache(core) and key == _cache_key(x, core) \
                 and all(p.packed_weight is w for p, w in zip(projections, tensors, strict=True)):
             return args
     attn, mlp = layer.self_attn, layer.mlp
     core = attn.attn
-    if core.kv_scale_calibration is not None or core.k_scale != 1.0 or core.v_scale != 1.0:  # (may change per step)
+    if not _plain_cache(core):  # (may change per step)
         return None
     projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    shape = (x.dtype, core.kv_cache.dtype, core.kv_cache.dim())
     tensors = tuple(p.packed_weight for p in projections)
     args = _build_args(layer, x, projections)
     if len(by_rows) >= MAX_CACHED_ROW_COUNTS:
         by_rows.clear()
-    by_rows[x.shape[0]] = (shape, core, projections, tensors, args)
+    by_rows[x.shape[0]] = (_cache_key(x, core), core, projections, tensors, args)
     return args
+
+
+def _plain_cache(core: torch.nn.Module) -> bool:
+    """The layer's cache holds unscaled K/V with no calibration armed (what the native call writes)."""
+    return core.kv_scale_calibration is None and core.k_scale == 1.0 and core.v_scale == 1.0
+
+
+def _cache_key(x: torch.Tensor, core: torch.nn.Module) -> tuple:
+    return x.dtype, core.kv_cache.dtype, core.kv_cache.dim()
 
 
 def _build_args(layer: LlamaDecoderLayer | Eagle3DecoderLayer, x: torch.Tensor, projections: tuple) -> tuple | None:

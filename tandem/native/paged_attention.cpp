@@ -65,11 +65,7 @@ inline const float* as_float<float>(const float* src, float*, int64_t) {
 
 template <>
 inline const float* as_float<at::BFloat16>(const at::BFloat16* src, float* buf, int64_t n) {
-  // bf16 is float32's upper half: a shift the compiler vectorizes
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* d = reinterpret_cast<uint32_t*>(buf);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;
+  widen_bf16(reinterpret_cast<const uint16_t*>(src), buf, n);
   return buf;
 }
 

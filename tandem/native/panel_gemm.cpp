@@ -26,8 +26,9 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
+
+#include "vec16.h"  // widen_bf16
 
 namespace {
 
@@ -263,14 +264,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
     std::vector<float>& widened = m * k <= kKeptWidened ? small_rows : large_rows;
     widened.resize(static_cast<size_t>(m * k));
     const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
-    for (int64_t r = 0; r < m; ++r) {
-      const uint16_t* src = xb + r * x.stride(0);
-      float* dst = widened.data() + r * k;
-      for (int64_t i = 0; i < k; ++i) {
-        const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;  // bf16 is float32's upper half
-        std::memcpy(dst + i, &bits, sizeof(float));
-      }
-    }
+    for (int64_t r = 0; r < m; ++r) widen_bf16(xb + r * x.stride(0), widened.data() + r * k, k);
     xp = widened.data();
   }
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;

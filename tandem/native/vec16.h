@@ -10,7 +10,16 @@
 
 #pragma once
 
+#include <cstdint>
 #include <cstring>
+
+// n bf16 values (their uint16_t bits) -> float32, exactly: bf16 is float32's upper half, a shift the compiler
+// vectorizes
+inline void widen_bf16(const uint16_t* src, float* dst, int64_t n) {
+  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(src[i]) << 16;
+}
 
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef float f32x4 __attribute__((vector_size(16)));

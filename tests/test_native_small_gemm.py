@@ -169,6 +169,7 @@ def test_compiled_pieces_call_the_small_row_gemm() -> None:
         return torch.relu(cpu_gemm.linear(x, w, None, None)) * 2
 
     torch._dynamo.reset()  # a fresh cache: earlier tests' graphs in this process must not count toward its limits
+    native.prepare_for_tracing()  # as tandem/compilation does before it compiles
     compiled = torch.compile(layer, dynamic=True)
     for w, limit in ((w_small, cpu_gemm.SMALL_ROWS), (w_big, cpu_gemm.SMALL_ROWS_PACKED)):
         for rows in (1, 2, limit, limit + 1, 40):

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tandem import native
 from tandem.compilation.piecewise import CudaGraph, GraphFactory, GraphRun, PiecewiseBackend
 from tandem.config import CompilationConfig
 
@@ -39,6 +40,7 @@ def _configure_inductor() -> None:
     import torch._dynamo
     import torch._inductor.config as inductor
 
+    native.prepare_for_tracing()  # the kernels' on/off switch, a constant of each compiled graph
     inductor.freezing = True  # weights are constants at inference: fold and prepack them
     # each engine in a process (tests build many) compiles its own model instances
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)

@@ -250,12 +250,20 @@ def serves(x: torch.Tensor, *params: torch.Tensor, dtypes: tuple[torch.dtype, ..
     return _enabled_when_traced() if torch.compiler.is_compiling() else enabled()
 
 
-@torch.compiler.assume_constant_result
 def _enabled_when_traced() -> bool:
-    """enabled(), a constant of the compiled graph: Dynamo cannot trace the ContextVar read (a graph break would cost
-    the whole-graph compile and its guard savings, tandem/compilation/compile.py). Each engine compiles its own
-    forward inside its own steps (`serving`), so the value at trace time is the one every call of it sees."""
+    """enabled(), a constant of the compiled graph (prepare_for_tracing marks it): Dynamo cannot trace the
+    ContextVar read (a graph break would cost the whole-graph compile and its guard savings,
+    tandem/compilation/compile.py). Each engine compiles its own forward inside its own steps (`serving`), so the
+    value at trace time is the one every call of it sees."""
     return enabled()
+
+
+def prepare_for_tracing() -> None:
+    """Call before torch.compile traces code that calls serves(): marks _enabled_when_traced a constant of the graph
+    (torch.compiler.assume_constant_result, which marks the function itself). Not a decorator at import: that imports
+    torch._dynamo (with sympy and triton: ~2.7 s of `import tandem` on 2 cores) into every process and every rank,
+    where an eager engine never needs it."""
+    torch.compiler.assume_constant_result(_enabled_when_traced)
 
 
 def serves_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -71,6 +71,21 @@ def _compile(eager: Callable[..., Any], backend: Any = "inductor") -> Callable[.
                          options={"guard_filter_fn": _kept_guards})
 
 
+def mark_tensor_attributes_static(module: nn.Module) -> None:
+    """Fix the shapes of the tensors the modules hold as plain attributes (packed weights and the regions they are
+    views of, KV caches, rotary tables) in the graphs compiled from them. Dynamo fixes parameters' and buffers'
+    shapes on its own, but with `dynamic=True` it gave each of these symbolic sizes: ~200 symbols for a two-layer
+    model, and inductor, comparing strides, equated the token count with one of them, so the first compile came
+    out specialized to its token count (32) and was compiled again for every other size: 4 compiles of the target
+    where 3 serve, each slower for the symbols."""
+    for m in module.modules():
+        for value in vars(m).values():
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                torch._dynamo.mark_static(value)
+                if value._base is not None:
+                    torch._dynamo.mark_static(value._base)
+
+
 def _owned(out: Any) -> Any:
     """The tensors of a graph replay's output, copied out of the graphs' memory: the next replay of the same
     pieces overwrites them, and the runner keeps hidden states across draft passes and steps."""
@@ -83,8 +98,9 @@ class CompiledForward:
     whose token count (the first argument's length) is a capture size; other calls run the same pieces
     uncaptured."""
 
-    def __init__(self, eager: Callable[..., Any], what: str, graphs: GraphRun | None = None):
-        self.eager, self.what, self.graphs = eager, what, graphs
+    def __init__(self, eager: Callable[..., Any], what: str, graphs: GraphRun | None = None,
+                 module: nn.Module | None = None):
+        self.eager, self.what, self.graphs, self.module = eager, what, graphs, module
         self.compiled: Callable[..., Any] | None = _compile(eager, "inductor" if graphs is None
                                                             else PiecewiseBackend(graphs))
         self.lean = True  # whole graphs with the structural guards dropped; False once it had to break
@@ -92,6 +108,9 @@ class CompiledForward:
     def __call__(self, *args: Any) -> Any:
         if self.compiled is None:
             return self.eager(*args)
+        if self.module is not None:  # at the first call: the KV cache and the packed weights are in place by then
+            mark_tensor_attributes_static(self.module)
+            self.module = None
         try:
             return self._run(args)
         except torch._dynamo.exc.TorchDynamoException as e:  # a compile failure, not a runtime error
@@ -125,7 +144,7 @@ def _compiled(eager: Callable[..., Any], module: nn.Module, what: str, config: C
     on_cuda = any(p.device.type == "cuda" for p in module.parameters())
     factory = CudaGraph if on_cuda else _cpu_graph_factory
     return CompiledForward(eager, what, GraphRun(what, config.capture_sizes, factory)
-                           if config.pads and factory is not None else None)
+                           if config.pads and factory is not None else None, module)
 
 
 def warmup_passes(model: nn.Module) -> int:

@@ -67,6 +67,7 @@ FAST_TESTS = (
     "tests/test_triton_attention.py::test_split_kv_partials_merge_to_the_same_attention",
     "tests/test_triton_attention.py::test_split_count_fills_a_small_grid_only_on_a_gpu",
     "tests/test_bench.py::test_bad_flag_exits_2_naming_it",
+    "tests/test_bench.py::test_hf_peer_cache_holds_the_load_twice",
     "tests/test_bench.py::test_continuous_batching_auto_skips_mla",
     "tests/test_bench.py::test_prefix_cache_off_when_timed_prompts_repeat",
     "tests/test_bench.py::test_serve_against_a_server_that_is_down_exits_1_naming_it",

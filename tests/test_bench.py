@@ -61,6 +61,21 @@ def test_serve_vs_hf_same_texts_and_token_counts(llama_server, tmp_path, capsys)
     assert bench["identical_texts"] == 4 and "identical texts: 4/4" in printed, printed
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_hf_peer_cache_holds_the_load_twice(seed):
+    """--vs hf sizes transformers' paged cache to the load: the highest concurrency's longest requests (a token is at
+    least a byte, plus a chat template's 256) fit twice."""
+    import random
+
+    rng = random.Random(seed)
+    prompts = ["".join(rng.choice("ab é😀") for _ in range(rng.randrange(0, 3000))) for _ in range(rng.randrange(1, 9))]
+    concurrency, max_tokens = rng.randrange(1, 65), rng.randrange(1, 4096)
+    blocks = hf_peer.cb_num_blocks(prompts, concurrency, max_tokens)
+    longest = max(len(p.encode()) for p in prompts) + 256 + max_tokens
+    assert blocks * hf_peer.HF_CB_PAGE_SIZE >= 2 * concurrency * longest
+    assert (blocks - 2) * hf_peer.HF_CB_PAGE_SIZE < 2 * concurrency * longest  # and not much more
+
+
 @pytest.mark.parametrize("argv, flag", [
     (["offline", "--num-prompts", "0"], "--num-prompts"),
     (["offline", "--max-tokens", "-1"], "--max-tokens"),

@@ -102,9 +102,25 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float)
                     f"the end of its log:\n{_log_tail(log)}")
 
 
+# transformers' paged cache holds tokens in blocks of this many (ContinuousBatchingConfig's default page_size)
+HF_CB_PAGE_SIZE = 256
+
+
+def cb_num_blocks(prompts: list[str], concurrency: int, max_tokens: int) -> int:
+    """A continuous-batching cache for the load: `concurrency` of the longest requests at once, twice over. Left to
+    itself, transformers sizes its cache to 90% of the free memory, and on a CPU it fills the attention mask that
+    size implies at start-up: on a 24 GiB, 2-core machine `transformers serve` took 78 s to answer /health for a
+    tiny model (and held ~20 GiB beside the server under test). A prompt's tokens are counted as its UTF-8 bytes
+    (a byte-level BPE token is at least one byte), plus 256 for a chat template."""
+    longest = max((len(p.encode()) for p in prompts), default=0) + 256 + max_tokens
+    return 2 * -(-max(1, concurrency) * longest // HF_CB_PAGE_SIZE)
+
+
 @contextlib.contextmanager
-def hf_server(model: str, dtype: str, continuous_batching: bool, startup_timeout_s: float) -> Iterator[str]:
-    """`transformers serve MODEL` on CPU from this venv; yields its base URL and stops it on exit."""
+def hf_server(model: str, dtype: str, continuous_batching: bool, startup_timeout_s: float,
+              num_blocks: int | None = None) -> Iterator[str]:
+    """`transformers serve MODEL` on CPU from this venv; yields its base URL and stops it on exit. num_blocks: its
+    continuous-batching cache (cb_num_blocks), or None for transformers' own sizing."""
     exe = Path(sys.executable).parent / "transformers"
     if not exe.is_file():
         raise PeerError(f"{exe} not found: install transformers' serving extras (pip install 'tandem[bench]')")
@@ -115,6 +131,8 @@ def hf_server(model: str, dtype: str, continuous_batching: bool, startup_timeout
     cmd = [str(exe), "serve", model, "--device", "cpu", "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port)]
     if continuous_batching:
         cmd.append("--continuous-batching")
+        if num_blocks is not None:
+            cmd += ["--cb-num-blocks", str(num_blocks)]
     # Offline: the model is a local folder, and nothing may be fetched at run time.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     with tempfile.TemporaryDirectory(prefix="tandem-bench-hf-") as tmp:

@@ -218,10 +218,12 @@ def bench_serve(url: str, model: str | None, vs: str | None, hf: hf_peer.HFPeerC
         cb = hf_peer.use_continuous_batching(folder, hf.continuous_batching)
         name = vs_label or hf_peer.peer_name(cb)
         print(f"peer: {name}, model {folder}, dtype {hf.dtype}")
-        with hf_peer.hf_server(folder, hf.dtype, cb, hf.startup_timeout_s) as hf_url:
+        blocks = hf_peer.cb_num_blocks(load.prompts, max(load.concurrencies), load.max_tokens)
+        with hf_peer.hf_server(folder, hf.dtype, cb, hf.startup_timeout_s, blocks) as hf_url:
             # No model field: a forced-model `transformers serve` takes requests without one.
             results += sweep(name, hf_url, None)
-        config |= {"peer": name, "hf_model": folder, "hf_dtype": hf.dtype, "hf_continuous_batching": cb}
+        config |= {"peer": name, "hf_model": folder, "hf_dtype": hf.dtype, "hf_continuous_batching": cb,
+                   "hf_cb_num_blocks": blocks if cb else None}
     elif vs:
         results += sweep(vs_label or vs, vs, model)
     info["load_avg_1m_at_end"] = os.getloadavg()[0]

@@ -40,3 +40,18 @@ def test_no_two_packages_import_each_other_at_module_level():
               if a < b and a in graph.get(b, {})}
     assert not cycles, f"packages importing each other at module level: {cycles}"
     assert graph["engine"]["spec_decode"] and graph["runner"]["worker"], "the check reads the imports it should"
+
+
+def test_importing_tandem_leaves_the_compiler_unimported():
+    """`import tandem` (every process, every rank an engine starts, every CLI command) does not import torch's
+    compiler stack: torch._dynamo brings sympy and triton along, ~2.7 s of a 2-core machine's start-up that an eager
+    engine never uses. Compiling imports it when it prepares (tandem/compilation/compile.py)."""
+    import subprocess
+    import sys
+
+    heavy = "('torch._dynamo', 'torch._inductor', 'sympy')"
+    code = f"import sys, tandem; print(sorted(m for m in {heavy} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=PACKAGE.parent)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", f"import tandem imported {out.stdout.strip()}"

@@ -2,8 +2,9 @@
 torch.compile (inductor), split at the opaque ops of opaque_ops.py, which run eagerly between the compiled
 pieces on the step's metadata.
 
-One compile per callable covers every token count (the token axis is dynamic; torch specializes 1 on its own), so
-warmup over the capture sizes compiles both and then only replays. On CPU inductor freezes the weights
+The token axis is dynamic: a callable compiles once per range of token counts its code branches on (a target with
+the native small-row GEMM: 1, 2-4 and 5 or more; torch specializes 1 on its own), so warmup over the capture sizes
+compiles each and then only replays. On CPU inductor freezes the weights
 (constant-folds them and prepacks the GEMM weights for oneDNN) and fuses the elementwise ops around the GEMMs.
 On CUDA with PIECEWISE padding the piecewise backend (piecewise.py) compiles the pieces instead and replays each as
 a CUDA graph per capture size. A compile that fails falls back to the eager forward with one warning, a capture

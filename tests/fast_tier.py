@@ -107,7 +107,7 @@ FAST_TESTS = (
     "tests/test_kv_cache_dtype.py::test_store_rows_writes_the_slots",
     "tests/test_kv_cache_dtype.py::test_backend_without_the_dtype_is_refused_by_name",
     "tests/test_kv_cache_dtype.py::test_native_kernel_reads_a_narrow_cache",
-    "tests/test_native_attention.py::test_a_build_lock_left_by_a_killed_build_is_removed",
+    "tests/test_native_attention.py::test_a_build_lock_left_by_a_killed_build_is_removed_at_once",
     "tests/test_native_attention.py::test_a_long_row_split_into_chunks_merges_exactly",
     "tests/test_native_attention.py::test_kernel_equals_float64_reference",
     "tests/test_native_attention.py::test_prompt_rows_equal_float64_reference",

@@ -92,6 +92,20 @@ def descendants(pid: int) -> list[int]:
     return [p for kid in children(pid) for p in [kid, *descendants(kid)]]
 
 
+def rank_pids(pid: int) -> list[int]:
+    """The ranks among `pid`'s descendants, in rank order (each names itself tandem-rankN), not multiprocessing's
+    fork server or resource tracker."""
+    named = {}
+    for p in descendants(pid):
+        try:
+            comm = Path(f"/proc/{p}/comm").read_text().strip()
+        except OSError:
+            continue
+        if comm.startswith("tandem-rank"):
+            named[int(comm.removeprefix("tandem-rank"))] = p
+    return [named[rank] for rank in sorted(named)]
+
+
 def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]

@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from server_utils import alive, descendants, serve_subprocess
+from server_utils import alive, descendants, rank_pids, serve_subprocess
 
 from tandem import LLM, SamplingParams
 from tandem.assets import default_model
@@ -23,11 +23,6 @@ from tandem.executor.multiproc import EngineDeadError
 TIMEOUT_S = 4  # TANDEM_COLLECTIVE_TIMEOUT_S for these tests
 # detection takes one collective timeout; reaping and the server's exit take a few seconds more on 2 busy cores
 BOUND_S = 2 * TIMEOUT_S + 6
-
-
-def _rank_pids(server_pid: int) -> list[int]:
-    """The server's ranks in rank order (spawned one after the other), not multiprocessing's resource tracker."""
-    return sorted(p for p in descendants(server_pid) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes())
 
 
 def _exists(pid: int) -> bool:
@@ -53,7 +48,7 @@ def test_a_stopped_rank_ends_the_server_naming_it(monkeypatch):
             "Content-Type": "application/json"}), timeout=120) for _ in range(2)]
         for resp in streams:
             assert resp.readline().startswith(b"data: ")  # tokens are flowing
-        victim = _rank_pids(proc.pid)[1]
+        victim = rank_pids(proc.pid)[1]
         os.kill(victim, signal.SIGSTOP)
         start = time.monotonic()
         for resp in streams:

@@ -306,41 +306,82 @@ def test_engines_in_one_process_keep_their_own_kernel_choice(tiny_checkpoints):
         llm.shutdown()
 
 
-def test_a_build_lock_left_by_a_killed_build_is_removed(tmp_path, monkeypatch):
-    """torch's extension builder waits with no time limit for another build's lock file to go; one killed midway
-    leaves it and every later engine hung (PCP ranks hit the step timeout). A lock older than any build is removed;
-    a fresh one (a build under way) is left alone."""
+_BUILDER = """
+import fcntl, pathlib, sys, time
+folder = pathlib.Path(sys.argv[1])
+held = open(folder / "builder.flock", "a")
+fcntl.flock(held, fcntl.LOCK_EX)
+(folder / "lock").touch()  # torch's builder's mark
+print("building", flush=True)
+time.sleep(float(sys.argv[2]))
+(folder / "lock").unlink()  # a build that finishes removes its mark
+"""
+
+
+def _builder(folder, seconds: float):
+    """A process that builds in `folder` the way tandem's builder does, for `seconds`; returned once it holds the
+    builder lock."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", _BUILDER, str(folder), str(seconds)], stdout=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline() == b"building\n"
+    return proc
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_at_once(tmp_path, capsys):
+    """torch's extension builder waits with no time limit for another build's `lock` file to go; a builder killed
+    midway (SIGKILL) leaves it, and every later engine hung. Its flock dies with it: the next builder removes the
+    lock at once, without a wait."""
+    import time
+
+    from tandem.native.build_lock import building
+
+    proc = _builder(tmp_path, 60)
+    proc.kill()
+    proc.wait()
+    assert (tmp_path / "lock").exists()
+    start = time.monotonic()
+    with building(tmp_path):
+        assert not (tmp_path / "lock").exists()
+    assert time.monotonic() - start < 5
+    assert "waiting" not in capsys.readouterr().err
+
+
+def test_a_live_build_is_waited_for_and_its_lock_left_alone(tmp_path, capsys):
+    """A build under way holds the builder lock however old its `lock` file is: a second builder says it waits
+    (one line), and goes on once the first has finished."""
     import os
     import time
 
-    from tandem.native import STALE_BUILD_LOCK_S, clear_stale_build_lock
+    from tandem.native.build_lock import building
 
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    lock = tmp_path / "tandem_native_test" / "lock"
-    lock.parent.mkdir()
-    lock.touch()
-    assert not clear_stale_build_lock("tandem_native_test") and lock.exists()
-    old = time.time() - STALE_BUILD_LOCK_S - 5
-    os.utime(lock, (old, old))
-    assert clear_stale_build_lock("tandem_native_test") and not lock.exists()
-    assert not clear_stale_build_lock("tandem_native_test")  # nothing left to remove
+    proc = _builder(tmp_path, 1.5)
+    old = time.time() - 3600  # an hour-old mark of a live build is still a live build
+    os.utime(tmp_path / "lock", (old, old))
+    start = time.monotonic()
+    with building(tmp_path, poll_s=0.05):
+        assert proc.wait(timeout=5) == 0 and not (tmp_path / "lock").exists()
+    assert time.monotonic() - start > 1.0
+    assert capsys.readouterr().err.count("waiting for another process's build") == 1
 
 
-def test_a_fresh_lock_of_a_killed_build_is_waited_out_not_forever(tmp_path, monkeypatch):
-    """An engine that arrives just after a build was killed finds a fresh lock: it waits until the lock is as old as
-    no build is, removes it and goes on (torch's own wait has no limit)."""
+def test_a_compiler_a_killed_build_left_running_is_waited_for(tmp_path):
+    """ninja runs in the build folder and outlives a SIGKILLed builder: its lock is removed only once the processes
+    working in the folder have finished (they would otherwise race the next build over the same object files)."""
+    import subprocess
     import time
 
-    from tandem.native import await_build_lock
+    from tandem.native.build_lock import building, processes_in
 
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    lock = tmp_path / "tandem_native_test" / "lock"
-    lock.parent.mkdir()
-    lock.touch()
+    (tmp_path / "lock").touch()
+    orphan = subprocess.Popen(["sleep", "1.5"], cwd=tmp_path)
+    assert processes_in(tmp_path) == [orphan.pid]
     start = time.monotonic()
-    await_build_lock("tandem_native_test", max_age_s=1.0, poll_s=0.05)
-    assert not lock.exists() and 0.9 < time.monotonic() - start < 30
-    await_build_lock("tandem_native_test", max_age_s=1.0)  # no lock: returns at once
+    with building(tmp_path, poll_s=0.05):
+        assert not (tmp_path / "lock").exists()
+        orphan.wait(timeout=1)  # it ended before the lock went (and is reaped here)
+    assert time.monotonic() - start > 1.0
 
 
 @pytest.mark.parametrize(("dtype", "isa"), PATHS)

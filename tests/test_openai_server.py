@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from server_utils import alive, descendants, serve_subprocess, server_in_thread
+from server_utils import alive, descendants, rank_pids, serve_subprocess, server_in_thread
 
 from tandem.entrypoints.engine_args import EngineArgs
 from tandem.entrypoints.openai.async_engine import AsyncEngine
@@ -427,8 +427,7 @@ def test_a_killed_rank_fails_open_streams_and_ends_the_server(tiny_checkpoints):
         resp = urllib.request.urlopen(urllib.request.Request(url + "/v1/completions", data=body,
                                                              headers={"Content-Type": "application/json"}))
         assert resp.readline().startswith(b"data: ")  # tokens are flowing
-        victim = next(pid for pid in ranks  # a rank, not multiprocessing's resource tracker
-                      if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes())
+        victim = rank_pids(proc.pid)[0]
         os.kill(victim, 9)
         start = time.monotonic()
         events = [line.decode() for line in resp if line.startswith(b"data: ")]

@@ -1,9 +1,10 @@
-"""Multi-rank executor: the engine process schedules; ranks 0..W-1 are spawned worker processes.
+"""Multi-rank executor: the engine process schedules; ranks 0..W-1 are worker processes forked
+from a fork server that has torch and tandem imported.
 
 Control plane: each StepPlan is pickled down a pipe to every rank, and rank 0 sends the StepOutput
 back (all ranks sample identical tokens). Idle workers wait on their pipe, so there is no timeout
-to trip between requests, and they exit when the engine process disappears. Data plane: tensors
-move over torch.distributed (gloo on CPU, NCCL on CUDA), whose collectives time out. A rank that
+to trip between requests, and they exit when the engine process disappears (their `alive` pipe closes).
+Data plane: tensors move over torch.distributed (gloo on CPU, NCCL on CUDA), whose collectives time out. A rank that
 raises, dies or hangs ends the engine with EngineDeadError naming it, and every rank is reaped. Two lines of
 defence against a hung (e.g. SIGSTOPped) rank: its peers' collectives time out and report, and rank 0's answer
 to a step has a deadline (TANDEM_STEP_TIMEOUT_S, twice the collective timeout by default). The error is short
@@ -17,6 +18,7 @@ connection drawing from the same ephemeral range), and the engine then fails to 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import dataclasses
 import logging
 import multiprocessing as mp
@@ -63,22 +65,41 @@ def _set_up_rank(config: EngineConfig, rank: int, init_method: str) -> ModelRunn
     return runner
 
 
-def _exit_with_parent(parent: int) -> None:
+def _exit_with_engine(alive: Connection) -> None:
     """A rank must not outlive its engine, wherever it is blocked when the engine dies (building the native
-    kernels, waiting on a build lock, inside a long step): a daemon thread that ends the process once its parent
-    is gone. (Linux's PR_SET_PDEATHSIG fires when the creating *thread* exits, which an engine built in a worker
-    thread would trip.)"""
+    kernels, waiting on a build lock, inside a long step): a daemon thread that ends the process once the engine's
+    end of the `alive` pipe closes, which the kernel does however the engine ends (SIGKILL included). The ranks are
+    the fork server's children, not the engine's, so the parent pid says nothing. (Linux's PR_SET_PDEATHSIG would
+    name the fork server too.)"""
     def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
+        try:
+            alive.recv()
+        except (EOFError, OSError):
+            pass
         os._exit(0)
 
-    threading.Thread(target=watch, name="tandem-parent-watch", daemon=True).start()
+    threading.Thread(target=watch, name="tandem-engine-watch", daemon=True).start()
 
 
-def _worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connection, threads: int) -> None:
+def _name_process(name: str) -> None:
+    """Set the process name `ps`, `top` and /proc/PID/comm show (Linux; 15 bytes): a forked rank would otherwise
+    carry the fork server's command line."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
+def _worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connection, threads: int,
+                 env: dict[str, str], cwd: str, alive: Connection) -> None:
+    # the fork server started with the environment and directory of the engine that first needed it
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    _name_process(f"tandem-rank{rank}")
     torch.set_num_threads(threads)
-    _exit_with_parent(os.getppid())
+    _exit_with_engine(alive)
     try:
         runner = _set_up_rank(config, rank, init_method)
         conn.send(("ready", runner.num_blocks))
@@ -106,16 +127,24 @@ class MultiprocExecutor:
         self._rendezvous_dir = tempfile.mkdtemp(prefix="tandem-rendezvous-")
         init_method = f"file://{os.path.join(self._rendezvous_dir, 'store')}"
         threads = max(1, torch.get_num_threads() // world) if config.device == "cpu" else 1
-        ctx = mp.get_context("spawn")
+        # Ranks fork from multiprocessing's fork server, which imports this module (torch, tandem) once per engine
+        # process: a spawned rank re-imported them, ~3 s of CPU per rank per engine. The server itself is a clean
+        # single-threaded process (never the engine's own state, threads or CUDA context), as spawn gives.
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload([__name__])
         self.procs: list[Any] = []
         self.conns: list[Connection] = []
+        alive_r, self._alive = ctx.Pipe(duplex=False)
+        env = dict(os.environ)
         for rank in range(world):
             parent_conn, child_conn = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(config, rank, init_method, child_conn, threads),
-                               name=f"tandem-rank{rank}", daemon=True)
+            proc = ctx.Process(target=_worker_main, args=(config, rank, init_method, child_conn, threads, env,
+                                                          os.getcwd(), alive_r), name=f"tandem-rank{rank}", daemon=True)
             proc.start()
+            child_conn.close()
             self.procs.append(proc)
             self.conns.append(parent_conn)
+        alive_r.close()
         atexit.register(self.shutdown)
         self._dead = False
         # Loading weights can take a while; the start-up deadline is generous.
@@ -203,6 +232,7 @@ class MultiprocExecutor:
                 proc.kill()
                 proc.join(5)
         self.procs, self.conns = [], []
+        self._alive.close()
         shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
 
 

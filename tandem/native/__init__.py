@@ -30,10 +30,9 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-import time
 import zlib
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +40,7 @@ from pathlib import Path
 import torch
 
 from tandem import envs
+from tandem.native.build_lock import building
 
 log = logging.getLogger("tandem")
 
@@ -56,10 +56,6 @@ ISA_FLAGS = {"AVX2": ["-mavx2", "-mfma", "-mf16c"],
              "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"]}
 _lock = threading.Lock()
 _state: dict[str, bool] = {}
-# torch's extension builder holds a `lock` file in the build folder while it compiles and waits, with no time limit,
-# for another's to go; a build killed midway (a test run stopped, a rank killed) leaves it, and every later engine
-# then waits forever. A build takes ~1-2 minutes here: a lock this old is left over.
-STALE_BUILD_LOCK_S = 600.0
 
 
 # Model dtypes the kernel serves. float32 always; bfloat16 for models without latent (MLA) attention. The kernel
@@ -132,13 +128,14 @@ def _load() -> bool:
         capability = torch.backends.cpu.get_cpu_capability()
         headers = zlib.crc32(b"".join(h.read_bytes() for h in _HEADERS))
         flags = ["-O3", "-fopenmp", *ISA_FLAGS.get(capability, []), f"-DTANDEM_NATIVE_HEADERS={headers}"]
-        await_build_lock(build_name())
-        if needs_build(build_name()):
-            # ~1 minute once per machine (`make setup` does it at install time): say so before the wait, not after
-            print(f"tandem: building the native CPU kernels ({build_name()}, once per machine, about a minute) ...",
-                  file=sys.stderr, flush=True)
-        load(name=build_name(), sources=[str(p) for p in _SOURCES], extra_cflags=flags,
-             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        build_dir = _build_dir(build_name())
+        with building(build_dir) if build_dir is not None else nullcontext():
+            if needs_build(build_name()):
+                # ~1 minute once per machine (`make setup` does it at install time): say so before the wait
+                print(f"tandem: building the native CPU kernels ({build_name()}, once per machine, about a minute)"
+                      " ...", file=sys.stderr, flush=True)
+            load(name=build_name(), sources=[str(p) for p in _SOURCES], extra_cflags=flags,
+                 extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no ninja, a build error: the PyTorch path serves
         log.warning("tandem: the native CPU kernels could not be built (%s: %s); attention, norms, SwiGLU and "
                     "rotary use the PyTorch paths", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
@@ -158,56 +155,22 @@ def build_name() -> str:
 def needs_build(name: str) -> bool:
     """True when loading extension `name` will compile: its library is missing or older than a source or header
     (the rule torch's builder, ninja, applies)."""
-    try:
-        from torch.utils.cpp_extension import _get_build_directory
-    except ImportError:
-        return True
-    library = Path(_get_build_directory(name, verbose=False)) / f"{name}.so"
-    if not library.is_file():
+    build_dir = _build_dir(name)
+    library = build_dir / f"{name}.so" if build_dir is not None else None
+    if library is None or not library.is_file():
         return True
     built = library.stat().st_mtime
     return any(p.stat().st_mtime > built for p in (*_SOURCES, *_HEADERS))
 
 
-def _build_lock(name: str) -> Path | None:
-    """The lock file torch's builder holds in extension `name`'s build folder (None where its private helper is
-    missing: then the checks are skipped, not the kernels)."""
+def _build_dir(name: str) -> Path | None:
+    """Extension `name`'s build folder under torch's extensions folder (None where torch's private helper is
+    missing: then torch's own lock alone guards the build)."""
     try:
         from torch.utils.cpp_extension import _get_build_directory
     except ImportError:
         return None
-    return Path(_get_build_directory(name, verbose=False)) / "lock"
-
-
-def clear_stale_build_lock(name: str, max_age_s: float = STALE_BUILD_LOCK_S) -> bool:
-    """Remove the build folder's lock file of extension `name` when it is older than `max_age_s` (a build killed
-    midway left it); True when one was removed."""
-    lock = _build_lock(name)
-    if lock is None:
-        return False
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return False
-    if age < max_age_s:
-        return False
-    log.warning("tandem: removing %s, left %.0f s ago by a native-kernel build that did not finish", lock, age)
-    lock.unlink(missing_ok=True)
-    return True
-
-
-def await_build_lock(name: str, max_age_s: float = STALE_BUILD_LOCK_S, poll_s: float = 1.0) -> None:
-    """Wait while another build of extension `name` holds its lock, and remove the lock once it is `max_age_s` old:
-    torch's builder would wait on it with no limit, and a build killed a moment ago leaves a fresh one (an engine
-    that arrived then hung in its first step for as long as anyone waited)."""
-    lock = _build_lock(name)
-    said = False
-    while lock is not None and lock.exists() and not clear_stale_build_lock(name, max_age_s):
-        if not said:  # one line, so a wait of minutes is never silent
-            print(f"tandem: waiting for another process's build of the native CPU kernels ({lock})", file=sys.stderr,
-                  flush=True)
-            said = True
-        time.sleep(poll_s)
+    return Path(_get_build_directory(name, verbose=False))
 
 
 def _built() -> bool:

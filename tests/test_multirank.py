@@ -112,13 +112,16 @@ def test_torchrun_launch_matches_single_rank(tiny_checkpoints, tmp_path):
 def test_ranks_exit_when_the_engine_process_is_killed_while_they_are_blocked(tiny_checkpoints, tmp_path):
     """A rank blocked outside its step loop (here: waiting for another build's native-kernel lock, as ranks did
     for 17 minutes after a test run was killed) still ends within seconds of its engine's process being killed."""
+    import fcntl
+
     from server_utils import alive, descendants
 
     from tandem.native import build_name
 
-    name = build_name()
-    (tmp_path / "ext" / name).mkdir(parents=True)
-    (tmp_path / "ext" / name / "lock").touch()  # a build under way elsewhere: the ranks wait for it
+    build_dir = tmp_path / "ext" / build_name()
+    build_dir.mkdir(parents=True)
+    builder = (build_dir / "builder.flock").open("a")  # a build under way here (this process): the ranks wait for it
+    fcntl.flock(builder, fcntl.LOCK_EX)
     script = ("from tandem import LLM, SamplingParams\n"  # the first step loads (builds) the kernels
               f"llm = LLM({str(tiny_checkpoints('llama'))!r}, dtype='float32', prefill_context_parallel_size=2)\n"
               "llm.generate([{'prompt_token_ids': [5, 6, 7]}], SamplingParams(max_tokens=2), use_tqdm=False)\n")
@@ -146,6 +149,7 @@ def test_ranks_exit_when_the_engine_process_is_killed_while_they_are_blocked(tin
             time.sleep(0.2)
         assert not [pid for pid in ranks if alive(pid)], "a rank outlived its killed engine"
     finally:
+        builder.close()
         if proc.poll() is None:
             proc.kill()
         for pid in ranks + descendants(proc.pid):  # orphans are no longer the killed engine's descendants

@@ -129,7 +129,7 @@ def _load() -> bool:
         headers = zlib.crc32(b"".join(h.read_bytes() for h in _HEADERS))
         flags = ["-O3", "-fopenmp", *ISA_FLAGS.get(capability, []), f"-DTANDEM_NATIVE_HEADERS={headers}"]
         build_dir = _build_dir(build_name())
-        with building(build_dir) if build_dir is not None else nullcontext():
+        with building(build_dir, say_wait=needs_build(build_name())) if build_dir is not None else nullcontext():
             if needs_build(build_name()):
                 # ~1 minute once per machine (`make setup` does it at install time): say so before the wait
                 print(f"tandem: building the native CPU kernels ({build_name()}, once per machine, about a minute)"

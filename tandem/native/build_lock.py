@@ -24,17 +24,19 @@ log = logging.getLogger("tandem")
 
 
 @contextmanager
-def building(build_dir: Path, poll_s: float = 0.5) -> Iterator[None]:
+def building(build_dir: Path, say_wait: bool = True, poll_s: float = 0.5) -> Iterator[None]:
     """Hold `build_dir`'s builder lock for the body (a build, or the check that none is needed, and the load),
-    waiting, with one line said, while another live process holds it; torch's `lock` file left by a dead build is
+    waiting while another live process holds it, with one line said where `say_wait` (a build is due: the wait may
+    take minutes; a peer's load of a built library takes a moment); torch's `lock` file left by a dead build is
     removed first."""
     build_dir.mkdir(parents=True, exist_ok=True)
     with open(build_dir / "builder.flock", "a") as held:
         try:
             fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:  # one line, so a wait of minutes is never silent
-            print(f"tandem: waiting for another process's build of the native CPU kernels ({build_dir})",
-                  file=sys.stderr, flush=True)
+        except BlockingIOError:
+            if say_wait:  # one line, so a wait of minutes is never silent
+                print(f"tandem: waiting for another process's build of the native CPU kernels ({build_dir})",
+                      file=sys.stderr, flush=True)
             fcntl.flock(held, fcntl.LOCK_EX)
         clear_dead_build_lock(build_dir, poll_s)
         yield  # the flock goes with the file's close

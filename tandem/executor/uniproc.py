@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import gc
+
 from tandem.config import EngineConfig
 from tandem.runner.model_runner import ModelRunner
 from tandem.step_plan import StepOutput, StepPlan
+from tandem.worker.host_memory import release_freed_memory
 
 
 class UniprocExecutor:
@@ -24,3 +27,5 @@ class UniprocExecutor:
         # Free the weights and the KV pool now: whoever still holds the engine (a web framework's route cache keeps
         # every app's endpoints, and their closures the engine, alive for the life of the process) holds no memory.
         self.runner = None
+        gc.collect()  # the runner's modules hold reference cycles: free them now, not at some later collection
+        release_freed_memory()  # and the activations' pages the process kept for the steps (host_memory.py)

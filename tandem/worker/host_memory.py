@@ -7,9 +7,14 @@ Measured here (AMD EPYC, 2 cores, SmolLM2 float32, 32 prompts, 2,053 prompt toke
 3.78-3.99 s for the prefill, 0.64 M faults and 3.09-3.31 s with the heap kept; 32 x 32 end to end 7.2-7.7 s ->
 6.5-6.9 s. vLLM's CPU docs reach for the same thing by preloading tcmalloc; tandem asks glibc through mallopt.
 
-The cost: the process keeps its peak working set of activations (not the KV cache, which is allocated once) until
-it exits, as every serving engine's caching allocator does. TANDEM_KEEP_HOST_MEMORY=0 leaves glibc's defaults, and
-a user's own MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ (glibc's environment tunables) win over this.
+The cost: the process keeps its peak working set of activations (not the KV cache, which is allocated once) while
+its engine lives, as every serving engine's caching allocator does; an engine's shutdown hands it back
+(`release_freed_memory`). Kept, it slowed whatever the process did next: on this VM (AMD EPYC, 2 cores) the ranks of
+a PCP=2 engine started after a PCP=1 engine of the same process had prefilled 4,096 tokens spent 3.9 s in the kernel
+instead of 0.3 s on as many page faults, and its prefill took 8.2-9.0 s instead of 4.8.
+
+TANDEM_KEEP_HOST_MEMORY=0 leaves glibc's defaults, and a user's own MALLOC_MMAP_THRESHOLD_ /
+MALLOC_TRIM_THRESHOLD_ (glibc's environment tunables) win over this.
 """
 
 from __future__ import annotations
@@ -29,6 +34,13 @@ TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int: the largest one stands for "
 _applied: bool | None = None
 
 
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
 def keep_freed_memory() -> bool:
     """Ask glibc to serve blocks up to 32 MiB from the heap and never trim it; True where it took effect.
     Idempotent; a no-op off Linux/glibc, when disabled, or when the user set glibc's own tunables."""
@@ -41,12 +53,20 @@ def keep_freed_memory() -> bool:
     if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
         return False  # the user tuned glibc themselves
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # musl or another libc without mallopt
+        mallopt = _libc().mallopt  # type: ignore[union-attr]
+    except AttributeError:  # no libc found, or musl or another libc without mallopt
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     # mallopt returns 1 on success; setting either also turns off glibc's dynamic mmap threshold
     _applied = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     return _applied
+
+
+def release_freed_memory() -> bool:
+    """Hand the heap's free pages back to the kernel (glibc's malloc_trim) where keep_freed_memory kept them: an
+    engine's shutdown calls it, so a process that goes on does not sit on its activations. True where it ran."""
+    if not _applied:
+        return False
+    trim = getattr(_libc(), "malloc_trim", None)
+    return trim is not None and bool(trim(0))

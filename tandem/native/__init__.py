@@ -128,13 +128,14 @@ def _load() -> bool:
         capability = torch.backends.cpu.get_cpu_capability()
         headers = zlib.crc32(b"".join(h.read_bytes() for h in _HEADERS))
         flags = ["-O3", "-fopenmp", *ISA_FLAGS.get(capability, []), f"-DTANDEM_NATIVE_HEADERS={headers}"]
-        build_dir = _build_dir(build_name())
-        with building(build_dir, say_wait=needs_build(build_name())) if build_dir is not None else nullcontext():
-            if needs_build(build_name()):
+        name, build_dir = build_name(), _build_dir(build_name())
+        # asked again once the lock is held: the process that held it may have just built the library
+        with building(build_dir, say_wait=needs_build(name)) if build_dir is not None else nullcontext():
+            if needs_build(name):
                 # ~1 minute once per machine (`make setup` does it at install time): say so before the wait
-                print(f"tandem: building the native CPU kernels ({build_name()}, once per machine, about a minute)"
-                      " ...", file=sys.stderr, flush=True)
-            load(name=build_name(), sources=[str(p) for p in _SOURCES], extra_cflags=flags,
+                print(f"tandem: building the native CPU kernels ({name}, once per machine, about a minute) ...",
+                      file=sys.stderr, flush=True)
+            load(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=flags,
                  extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no ninja, a build error: the PyTorch path serves
         log.warning("tandem: the native CPU kernels could not be built (%s: %s); attention, norms, SwiGLU and "

@@ -52,20 +52,25 @@ def test_an_engine_refused_after_its_ranks_started_leaves_no_rank_behind(tiny_ch
 
 
 _KEPT_HEAP = """
-import random, sys
+import random
 from tandem import LLM, SamplingParams
 from tandem.assets import default_model
 
 def rss_mib():
     return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) / 1024
 
+def serve_once(prompt_len):
+    llm = LLM(default_model(), dtype="float32", max_num_batched_tokens=2048, enable_prefix_caching=False)
+    random.seed(0)
+    llm.generate([{"prompt_token_ids": [random.randrange(3, 2000) for _ in range(prompt_len)]}],
+                 SamplingParams(max_tokens=1), use_tqdm=False)
+    used = rss_mib()
+    llm.shutdown()
+    return used
+
+serve_once(16)  # loads every module and library an engine uses: they stay, and are not what is measured
 before = rss_mib()
-llm = LLM(default_model(), dtype="float32", max_num_batched_tokens=2048, enable_prefix_caching=False)
-random.seed(0)
-llm.generate([{"prompt_token_ids": [random.randrange(3, 2000) for _ in range(2000)]}], SamplingParams(max_tokens=1),
-             use_tqdm=False)
-used = rss_mib()
-llm.shutdown()
+used = serve_once(2000)
 print(before, used, rss_mib())
 """
 
@@ -74,12 +79,14 @@ print(before, used, rss_mib())
 def test_a_shut_down_engine_hands_its_kept_activations_back():
     """The steps keep freed activation pages in the process (worker/host_memory.py); shutdown hands them back to the
     kernel, with the weights. Kept, they slowed whatever the process did next (a PCP=2 engine's ranks after a PCP=1
-    engine: 3.9 s of page-fault time instead of 0.3 s, its prefill ~2x slower)."""
+    engine: 3.9 s of page-fault time instead of 0.3 s, its prefill ~2x slower). Measured from a process that has
+    already run and shut down a small engine, so modules loaded on first use do not count: on the EPYC here the
+    process ends 5 MiB above that with the release and 56-65 MiB above it without."""
     import subprocess
 
     out = subprocess.run([sys.executable, "-c", _KEPT_HEAP], capture_output=True, text=True, timeout=300, check=True,
                          env={**os.environ, "TANDEM_NATIVE_KERNELS": "0"})
     before, used, after = map(float, out.stdout.split()[-3:])
-    assert used - before > 100, f"the prefill should have grown the process: {before:.0f} -> {used:.0f} MiB"
-    assert after - before < 0.05 * (used - before), \
+    assert used - before > 500, f"the prefill should have grown the process: {before:.0f} -> {used:.0f} MiB"
+    assert after - before < 25, \
         f"RSS {before:.0f} MiB before the engine, {used:.0f} after a prefill, still {after:.0f} after shutdown"

@@ -2,7 +2,8 @@
 side by side under their own op namespaces and called in alternating order, so a machine whose speed drifts between
 minutes slows both alike. The measurements behind docs/kernels.md's A/B tables.
 
-    python benchmarks/native_ab.py {attention,gemv,gemv-sweep,amx-sweep} REV [--threads 2] [--rounds 6]
+    python benchmarks/native_ab.py {attention,gemv,gemv-sweep,panel-sweep,amx-sweep} REV [--threads 2] [--rounds 6]
+    python benchmarks/native_ab.py panel-sweep REV [--rows 1 4 8] [--threads 2] [--rounds 6]
     python benchmarks/native_ab.py sdpa [--rounds 6]
 
 attention: tandem/native/paged_attention.cpp, one line per (dtype, rows x queries x keys) case over 30 layers' caches;
@@ -11,7 +12,8 @@ gemv: tandem/native/small_gemm.cpp's small_linear, one line per (dtype, rows, [N
 turn, cold) before and after, their ratio, and whether the outputs are identical to the bit. gemv-sweep: the same
 kernel over a whole decode's projections (SmolLM2-135M's qkv, o, gate_up and down of 30 layers in turn, twice that
 in bfloat16: ~425 MB either way, past this VM's 300 MiB L3, so the weights come from DRAM as a decode's do), one line
-per (dtype, rows), in milliseconds a sweep. amx-sweep: tandem/native/amx_gemm.cpp's amx_linear (a CPU with AMX-BF16)
+per (dtype, rows), in milliseconds a sweep. panel-sweep: tandem/native/panel_gemm.cpp's panel_linear (an x86 CPU with
+avx2) over the same sweep, float32 and bfloat16, at a decode's, a verification's and a batch's rows. amx-sweep: tandem/native/amx_gemm.cpp's amx_linear (a CPU with AMX-BF16)
 over the same bf16 sweep and, apart, SmolLM2-135M's LM head, at the rows of a decode batch and its verification
 (32-128), one line per (weights, rows). sdpa: this tree's attention against the engine's SDPA path on single bf16
 prompt rows of 256-2,048 queries, alone or as a chunk behind a longer prefix (the long rows a bf16 model on AMX sends
@@ -38,10 +40,10 @@ from tandem.native import ISA_FLAGS
 NATIVE = Path(__file__).resolve().parent.parent / "tandem" / "native"
 LAYERS, BLOCK = 30, 16
 SOURCES = {"attention": "paged_attention.cpp", "gemv": "small_gemm.cpp", "gemv-sweep": "small_gemm.cpp",
-           "amx-sweep": "amx_gemm.cpp"}
+           "amx-sweep": "amx_gemm.cpp", "panel-sweep": "panel_gemm.cpp"}
 # sources a kernel calls into (silu_mul; amx_ready), where the revision has them
 HELPERS = {"attention": ("amx_gemm.cpp",), "gemv": ("elementwise.cpp",), "gemv-sweep": ("elementwise.cpp",),
-           "amx-sweep": ()}
+           "amx-sweep": (), "panel-sweep": ()}
 # (queries' dtype, cache's dtype, rows, queries a row, keys a row): SmolLM2's heads (9 query / 3 KV heads x 64)
 CASES = [(torch.bfloat16, torch.bfloat16, 32, 1, 80), (torch.bfloat16, torch.bfloat16, 32, 1, 512),
          (torch.bfloat16, torch.bfloat16, 1, 1, 2048), (torch.bfloat16, torch.bfloat16, 32, 64, 64),
@@ -54,6 +56,7 @@ GEMV_CASES = [(dtype, rows, n, k) for dtype, rows in ((torch.bfloat16, 1), (torc
               for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536))]
 SWEEP_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # a SmolLM2-135M layer's projections, [N, K]
 SWEEP_ROWS = (1, 2, 3, 4, 8)
+PANEL_ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32)  # a decode's, its verification's (batch 1-3, K = 1-3), a batch's
 AMX_ROWS = (32, 48, 64, 96, 128)  # a batch-32 decode and its verification at K = 1..3
 SDPA_ROWS = ((256, 256), (512, 512), (1024, 1024), (2048, 2048), (512, 4096), (2048, 8192))  # (queries, keys)
 
@@ -198,6 +201,28 @@ def gemv_sweep(ops: dict[str, Any], rounds: int) -> None:
                   f"identical {same}", flush=True)
 
 
+def panel_sweep(ops: dict[str, Any], rounds: int, row_counts: tuple[int, ...] = PANEL_ROWS) -> None:
+    from tandem.native import panel_pack
+
+    for dtype in (torch.float32, torch.bfloat16):
+        layers = LAYERS * (4 // dtype.itemsize)  # ~425 MB of weights in either dtype
+        shapes = [shape for _ in range(layers) for shape in SWEEP_SHAPES]
+        packed = [panel_pack((torch.randn(n, k) * k ** -0.5).to(dtype)) for n, k in shapes]
+        for rows in row_counts:
+            xs = {k: torch.randn(rows, k).to(dtype) for _, k in SWEEP_SHAPES}
+
+            def sweep(name: str, xs: dict[int, torch.Tensor] = xs, packed: list[torch.Tensor] = packed,
+                      ) -> torch.Tensor:
+                return torch.cat([ops[name].panel_linear(xs[k], p, n, None).flatten()
+                                  for (n, k), p in zip(shapes, packed, strict=True)])
+
+            before, after, same = alternate(rounds, sweep)
+            scale = LAYERS / 1e3  # alternate() divides by LAYERS: back to one sweep, in ms
+            print(f"{str(dtype).removeprefix('torch.')}, {rows} row(s), {len(packed)} projections: before "
+                  f"{before * scale:.2f} ms, after {after * scale:.2f} ms, after / before {after / before:.2f}, "
+                  f"identical {same}", flush=True)
+
+
 def amx_sweep(ops: dict[str, Any], rounds: int) -> None:
     from tandem.native import amx_pack
 
@@ -224,6 +249,7 @@ def main() -> None:
     parser.add_argument("rev", nargs="?", help="the commit whose kernel source is 'before' (sdpa: none)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--rows", type=int, nargs="+", help=f"panel-sweep's rows of x (default {PANEL_ROWS})")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -237,6 +263,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ops = {"before": build("tandem_ab_before", source, Path(tmp) / "before", args.rev, helpers),
                "after": build("tandem_ab_after", source, Path(tmp) / "after", None, helpers)}
+    if args.kernel == "panel-sweep":
+        panel_sweep(ops, args.rounds, tuple(args.rows or PANEL_ROWS))
+        return
     {"attention": attention, "gemv": gemv, "gemv-sweep": gemv_sweep, "amx-sweep": amx_sweep}[args.kernel](
         ops, args.rounds)
 

@@ -41,6 +41,16 @@ class AttentionBackend:
         outputs with their log-sum-exp, which the attention layer merges over the ranks."""
         return False
 
+    @classmethod
+    def splits_prompt_keys(cls) -> bool:
+        """Under PCP with the replicated KV layout: True when a step with prompt rows should attend as under sharded KV
+        (every query of the step over every P-th block of its row's keys, read from the replicated cache, the
+        partials merged by LSE; worker/pcp_hooks.py) instead of each rank's queries over all the keys. For a backend
+        whose prompt rows do work per key read that every rank would otherwise repeat for the whole context (MLA
+        expands each latent into per-head keys and values). Needs supports_kv_sharding and a metadata builder that
+        reads `KVShard.replicated`."""
+        return False
+
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, *kv_spec: int) -> tuple[int, ...]:
         """The layer's paged cache; kv_spec is the layer's `kv_spec()`: (num_kv_heads, head_dim) for

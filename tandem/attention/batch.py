@@ -24,10 +24,13 @@ PAD_SLOT_ID = -1  # slot_mapping value meaning "write nothing"
 @dataclass(frozen=True)
 class KVShard:
     """pcp_kv_layout sharded: this rank is `rank` of `size`, and holds only the K/V of the blocks it owns
-    (tandem/attention/kv_ownership.py); the batch's rows and write slots are then global."""
+    (tandem/attention/kv_ownership.py); the batch's rows and write slots are then global. `replicated`: the cache
+    holds every block (the replicated layout's prompt steps that split their keys, worker/pcp_hooks.py): the rank
+    writes every key and attends over every size-th block of each row, starting at its rank."""
 
     rank: int
     size: int
+    replicated: bool = False
 
 
 @dataclass(kw_only=True)

@@ -26,7 +26,7 @@ import torch
 
 from tandem.attention.batch import AttentionBatch
 from tandem.attention.metadata import GATHER_MAX_KEYS, IN_PLACE_MIN_KEYS, MIN_RUN_KEYS, SHORT_ROW_TOKENS
-from tandem.attention.sharded_kv import OwnedGroup, OwnedRow, ShardedAttentionMetadata
+from tandem.attention.sharded_kv import DIAG_CHUNK, OwnedGroup, OwnedRow, ShardedAttentionMetadata
 
 
 def owner_rank(block_ids: np.ndarray | int, pcp_size: int) -> np.ndarray | int:
@@ -53,12 +53,15 @@ def owned_writes(write_slots: np.ndarray, block_size: int, rank: int, pcp_size: 
 def owned_metadata(batch: AttentionBatch) -> ShardedAttentionMetadata:
     """A batch of global rows (batch.kv_shard set; its write slots global) over the keys this rank owns."""
     assert batch.kv_shard is not None
-    rank, size = batch.kv_shard.rank, batch.kv_shard.size
+    rank, size, replicated = batch.kv_shard.rank, batch.kv_shard.size, batch.kv_shard.replicated
     device = batch.positions.device
-    keep, local = owned_writes(batch.write_slots.cpu().numpy(), batch.block_size, rank, size)
     groups, rows = owned_plan(batch.positions.cpu().numpy(), batch.query_start_loc_cpu.numpy(),
                               batch.seq_lens_cpu.numpy(), batch.block_table.cpu().numpy(), batch.block_size, rank,
-                              size, device, in_place=device.type == "cpu")
+                              size, device, in_place=device.type == "cpu", replicated=replicated)
+    if replicated:  # the cache holds every key: every write, at its own slot
+        return ShardedAttentionMetadata(rows=rows, groups=groups, write_rows=batch.write_rows,
+                                        write_slots=batch.write_slots)
+    keep, local = owned_writes(batch.write_slots.cpu().numpy(), batch.block_size, rank, size)
     return ShardedAttentionMetadata(rows=rows, groups=groups,
                                     write_rows=batch.write_rows[torch.from_numpy(keep).to(batch.write_rows.device)],
                                     write_slots=torch.from_numpy(local.astype(np.int64)).to(device))
@@ -66,7 +69,7 @@ def owned_metadata(batch: AttentionBatch) -> ShardedAttentionMetadata:
 
 def owned_plan(positions: np.ndarray, query_start_loc: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray,
                block_size: int, rank: int, pcp_size: int, device: torch.device | str, in_place: bool = True,
-               batch_short_rows: bool = True) -> tuple[list[OwnedGroup], list[OwnedRow]]:
+               batch_short_rows: bool = True, replicated: bool = False) -> tuple[list[OwnedGroup], list[OwnedRow]]:
     """Every global row's keys that `rank` owns. positions [T] and query_start_loc [R + 1] index the global
     queries; seq_lens [R] keys each row sees after this step's write; block_table [R, max_blocks] global ids.
 
@@ -74,10 +77,13 @@ def owned_plan(positions: np.ndarray, query_start_loc: np.ndarray, seq_lens: np.
     batched attention call for all of them (as the replicated layout's PrefixGroup): while the longest stays under
     IN_PLACE_MIN_KEYS owned keys and the group pads to at most GATHER_MAX_KEYS keys; off the CPU (`in_place`
     False) every short row is grouped. The other rows come back one OwnedRow each, short ones with many shared
-    keys reading contiguous runs in place. `batch_short_rows=False`: every row alone (the tests' reference)."""
+    keys reading contiguous runs in place. `batch_short_rows=False`: every row alone (the tests' reference).
+    `replicated`: the cache holds every block; `rank` takes a row's j-th blocks with j % pcp_size == rank, at their
+    global slots."""
     bounds = [(i, int(query_start_loc[i]), int(query_start_loc[i + 1])) for i in range(len(query_start_loc) - 1)]
     bounds = [(i, a, b) for i, a, b in bounds if b > a]
-    keys = {i: _owned_keys(int(seq_lens[i]), block_table[i], block_size, rank, pcp_size) for i, _, _ in bounds}
+    keys = {i: _owned_keys(int(seq_lens[i]), block_table[i], block_size, rank, pcp_size, replicated)
+            for i, _, _ in bounds}
     by_keys = sorted(((i, a, b) for i, a, b in bounds if b - a <= SHORT_ROW_TOKENS and batch_short_rows),
                      key=lambda r: keys[r[0]][0].shape[0])
     while in_place and by_keys and (keys[by_keys[-1][0]][0].shape[0] >= IN_PLACE_MIN_KEYS
@@ -91,11 +97,16 @@ def owned_plan(positions: np.ndarray, query_start_loc: np.ndarray, seq_lens: np.
     return groups, rows
 
 
-def _owned_keys(seq_len: int, blocks: np.ndarray, block_size: int, rank: int, pcp_size: int
-                ) -> tuple[np.ndarray, np.ndarray]:
-    """(local slots, positions) of the keys 0..seq_len-1 of one row that `rank` owns, in position order."""
+def _owned_keys(seq_len: int, blocks: np.ndarray, block_size: int, rank: int, pcp_size: int,
+                replicated: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(local slots, positions) of the keys 0..seq_len-1 of one row that `rank` owns, in position order; in a
+    replicated cache, of the row's j-th blocks with j % pcp_size == rank, whatever their ids (one pool hands out
+    the ids), at their global slots."""
     pos = np.arange(seq_len)
     ids = blocks[pos // block_size].astype(np.int64)
+    if replicated:
+        mine = pos // block_size % pcp_size == rank
+        return ids[mine] * block_size + pos[mine] % block_size, pos[mine]
     mine = owner_rank(ids, pcp_size) == rank
     return local_slots(ids[mine] * block_size + pos[mine] % block_size, block_size, pcp_size), pos[mine]
 
@@ -143,9 +154,13 @@ def _owned_row(token_start: int, num_queries: int, first_pos: int, slots: np.nda
     q_pos = first_pos + np.arange(num_queries)
     visible = q_pos[:, None] >= diag_pos[None, :]  # [Q, n_d]
     blind = ~visible.any(axis=1) if diag_pos.shape[0] else np.zeros(num_queries, dtype=bool)
-    bias = None
+    bias, chunks = None, ()
     if long:
         bias = torch.from_numpy(np.where(visible, 0.0, -np.inf).astype(np.float32)).to(device)
+        # a query sees the diag keys up to its position: the last query of a chunk sees the most of them
+        seen = np.searchsorted(diag_pos, q_pos, side="right")  # [Q]
+        chunks = tuple((a, min(a + DIAG_CHUNK, num_queries), int(seen[min(a + DIAG_CHUNK, num_queries) - 1]))
+                       for a in range(0, num_queries, DIAG_CHUNK))
     return OwnedRow(token_start, num_queries, views, torch.from_numpy(gathered.astype(np.int64)).to(device),
                     torch.from_numpy(diag_slots.astype(np.int64)).to(device), torch.from_numpy(visible).to(device),
-                    bias, torch.from_numpy(blind).to(device) if blind.any() else None)
+                    bias, torch.from_numpy(blind).to(device) if blind.any() else None, chunks)

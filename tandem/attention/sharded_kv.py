@@ -36,6 +36,7 @@ from tandem.attention.causal_rows import attention_with_lse
 from tandem.attention.metadata import SHORT_ROW_TOKENS, select_rows
 
 NEG_INF = float("-inf")
+DIAG_CHUNK = 256  # queries of a long row's position-masked diag part per flash call (OwnedRow.diag_chunks)
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,10 @@ class OwnedRow:
     diag_visible: torch.Tensor  # [Q, n_d] bool, query i may see diag key j
     diag_bias: torch.Tensor | None  # [Q, n_d] 0 / -inf, the same mask for the flash kernel (long rows only)
     diag_blind: torch.Tensor | None  # [Q] bool queries that see none of the diag keys, or None when every one does
+    # long rows: (first query, end query, diag keys visible to the end's last query) per chunk of DIAG_CHUNK queries.
+    # The diag keys lie in position order, so a chunk attends only the first ones: under the position mask the
+    # whole [Q, n_d] square cost twice the visible half (2,048 queries over 1,024 owned keys a prompt step)
+    diag_chunks: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def num_shared(self) -> int:
@@ -187,9 +192,19 @@ def _masked_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         dv = v.shape[-1]
         if dv != q.shape[-1]:
             v = torch.nn.functional.pad(v, (0, q.shape[-1] - dv))
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, attn_mask=row.diag_bias.to(q.dtype)[None, None], scale=scale)[:2]
-        out, lse = out[..., :dv], lse.float()
+        bias = row.diag_bias.to(q.dtype)
+        outs, lses = [], []
+        for a, b, n in row.diag_chunks or ((0, q.shape[2], k.shape[2]),):
+            if n == 0:  # these queries see no diag key (diag_blind below)
+                outs.append(q.new_zeros(*q.shape[:2], b - a, q.shape[-1]))
+                lses.append(q.new_full((*q.shape[:2], b - a), NEG_INF, dtype=torch.float32))
+                continue
+            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q[:, :, a:b], k[:, :, :n], v[:, :, :n], attn_mask=bias[None, None, a:b, :n], scale=scale)[:2]
+            outs.append(o)
+            lses.append(lse.float())
+        out = torch.cat(outs, dim=2)[..., :dv] if len(outs) > 1 else outs[0][..., :dv]
+        lse = torch.cat(lses, dim=2) if len(lses) > 1 else lses[0]
     else:
         scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
         scores = scores.masked_fill(~row.diag_visible, NEG_INF)

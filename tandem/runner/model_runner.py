@@ -55,7 +55,11 @@ class ModelRunner:
                                  with_mtp=config.speculative_config.uses_mtp_layers)
         self.backends = select_target_backends(config)
         self.draft_mode = resolve_draft_mode(config)
-        self.pcp = make_pcp_hooks(groups.pcp, self.block_size, config.parallel_config.pcp_kv_layout)
+        # an MTP drafter sharded like the target attends on the target's metadata, so its backend must split too
+        mtp_on_target = config.speculative_config.uses_mtp_layers and self.draft_mode.mode == "sharded"
+        split = all(cls.splits_prompt_keys() for cls in self.backends.values()) and (
+            not mtp_on_target or (self.draft_mode.backend is not None and self.draft_mode.backend.splits_prompt_keys()))
+        self.pcp = make_pcp_hooks(groups.pcp, self.block_size, config.parallel_config.pcp_kv_layout, split)
         # sharded KV: the target's cache (and a sharded MTP drafter's) holds this rank's pool of blocks, a
         # replicated drafter's cache every rank's (DESIGN §5's KV-placement column)
         self.kv_pools = groups.pcp.size if self.pcp.kv_sharded else 1

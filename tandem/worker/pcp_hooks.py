@@ -95,12 +95,25 @@ class PCPHooks:
 
 
 class PartitionedPCPHooks(PCPHooks):
-    """PCP size > 1 (worker/pcp.py's index math plus the collectives over the PCP group)."""
+    """PCP size > 1 (worker/pcp.py's index math plus the collectives over the PCP group), the replicated KV layout.
 
-    def __init__(self, pcp: Group, block_size: int):
+    `split_prompt_keys`: a step with prompt rows attends as under sharded KV (the queries travel: every query of the
+    step over the keys of every P-th block of its row, the P partials merged by LSE), reading the replicated cache;
+    decode-only steps attend locally. For backends whose prompt chunks do work per key they read (MLA expands each
+    latent into per-head keys and values): with each rank's queries over all the keys, every rank repeated that work
+    for the whole context (attention/backend.py's `splits_prompt_keys`)."""
+
+    def __init__(self, pcp: Group, block_size: int, split_prompt_keys: bool = False):
         super().__init__(pcp, block_size)
         self.part: PCPPartition | None = None  # this step's partition
         self.token_idx = torch.empty(0, dtype=torch.int64)  # [T_r] global index of each local token
+        self.split_prompt_keys = split_prompt_keys
+        # this step's attention runs over split keys (sharded KV, or a prompt step with split_prompt_keys): the
+        # all-to-all of partials sends global rows each rank holds, concatenated in rank order, in these counts
+        self.exchanges = False
+        self.send_idx = torch.empty(0, dtype=torch.int64)
+        self.send_counts: list[int] = []
+        self.gathers_queries = False  # this step has prompt rows, split over the ranks: queries are all-gathered
 
     def _partition(self, batch: InputBatch) -> tuple[PCPPartition, LocalView, torch.Tensor]:
         """This step's partition and this rank's view of it (kept for the step's gathers), and the slots of the
@@ -117,6 +130,9 @@ class PartitionedPCPHooks(PCPHooks):
 
     def maybe_partition(self, batch: InputBatch) -> LocalBatch:
         part, view, real_slots = self._partition(batch)
+        self.exchanges = self.split_prompt_keys and bool(batch.is_prefill_cpu.any())
+        if self.exchanges:
+            return self._global_rows(batch, part, view, real_slots, KVShard(self.pcp.rank, self.pcp.size, True))
         writes = real_slots >= 0
         device = batch.input_ids.device
         # K/V are written from the gathered [P * max_local] tensor: each global token once, from the copy
@@ -128,6 +144,57 @@ class PartitionedPCPHooks(PCPHooks):
             block_table=torch.from_numpy(view.block_table).to(device), block_size=self.block_size,
             write_rows=write_rows, write_slots=real_slots[writes])
         return LocalBatch(batch.input_ids[self.token_idx], meta.positions, meta)
+
+    def _global_rows(self, batch: InputBatch, part: PCPPartition, view: LocalView, real_slots: torch.Tensor,
+                     shard: KVShard) -> LocalBatch:
+        """The rank's tokens, attending as every global row over the keys `shard` gives this rank."""
+        writes = real_slots >= 0
+        device = batch.input_ids.device
+        self.send_idx = torch.from_numpy(np.concatenate(part.local_token_idx)).to(device)
+        self.send_counts = [len(idx) for idx in part.local_token_idx]
+        # decodes only: every rank holds every token in global order already, so the queries need no gather
+        self.gathers_queries = bool(batch.is_prefill_cpu.any())
+        # every global row, written from the gathered K/V (kv_write_idx); each backend keeps the rows and writes
+        # (all of them into a replicated cache, its own blocks' into a sharded one)
+        meta = AttentionBatch(positions=batch.positions, query_start_loc_cpu=batch.query_start_loc_cpu,
+                              seq_lens_cpu=batch.seq_lens_cpu, block_table=batch.block_table,
+                              block_size=self.block_size,
+                              write_rows=torch.from_numpy(part.kv_write_idx).to(device)[writes],
+                              write_slots=real_slots[writes], kv_shard=shard)
+        return LocalBatch(batch.input_ids[self.token_idx], torch.from_numpy(view.positions).to(device), meta)
+
+    def kv_exchange(self, replicated_rows: bool = False) -> ShardedKVExchange | None:
+        if not self.exchanges:
+            return None
+        if replicated_rows:  # rows on every rank: no query gather, every row merged; over a replicated cache local
+            return ShardedKVExchange(_identity, self._merge_all) if self.kv_sharded else None
+        return ShardedKVExchange(self._gather_queries if self.gathers_queries else self._pad_queries,
+                                 self._merge_local)
+
+    def _gather_queries(self, q: torch.Tensor) -> torch.Tensor:
+        assert self.part is not None
+        return restore(self.all_gather(pad_local(q, self.part)), self.part)  # [T_global(+padding), ...]
+
+    def _pad_queries(self, q: torch.Tensor) -> torch.Tensor:
+        assert self.part is not None
+        num_pad = self.part.num_tokens + self.part.num_padding - q.shape[0]
+        return torch.cat((q, q.new_zeros(num_pad, *q.shape[1:]))) if num_pad else q
+
+    def _merge_local(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """Each rank sends every other rank the partials of that rank's own tokens only (one all-to-all), and
+        merges the P partials of its tokens: [T_r, H, Dv]."""
+        packed = torch.cat((out.float(), lse[..., None]), dim=-1)[self.send_idx]  # [sum T_r, H, Dv + 1]
+        mine = self.send_counts[self.pcp.rank]
+        recv = self.pcp.all_to_all(packed, self.send_counts, [mine] * self.pcp.size)
+        self.bytes_gathered += recv.numel() * recv.element_size()
+        recv = recv.view(self.pcp.size, mine, *packed.shape[1:])
+        return merge_partials(recv[..., :-1], recv[..., -1])
+
+    def _merge_all(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """Rows on every rank (MTP's draft decodes): one all-gather of [T, H, Dv + 1] float32, every row merged."""
+        packed = self.all_gather(torch.cat((out.float(), lse[..., None]), dim=-1))
+        packed = packed.view(self.pcp.size, *out.shape[:-1], out.shape[-1] + 1)
+        return merge_partials(packed[..., :-1], packed[..., -1])
 
     def localize(self, x: torch.Tensor) -> torch.Tensor:
         return x[self.token_idx]
@@ -171,70 +238,24 @@ class ShardedKVPCPHooks(PartitionedPCPHooks):
 
     kv_sharded = True
 
-    def __init__(self, pcp: Group, block_size: int):
-        super().__init__(pcp, block_size)
-        # this step's all-to-all of partials: global rows each rank holds, concatenated in rank order, and counts
-        self.send_idx = torch.empty(0, dtype=torch.int64)
-        self.send_counts: list[int] = []
-        self.gathers_queries = False  # this step has prompt rows, split over the ranks: queries are all-gathered
-
     def maybe_partition(self, batch: InputBatch) -> LocalBatch:
         part, view, real_slots = self._partition(batch)
-        writes = real_slots >= 0
-        device = batch.input_ids.device
-        self.send_idx = torch.from_numpy(np.concatenate(part.local_token_idx)).to(device)
-        self.send_counts = [len(idx) for idx in part.local_token_idx]
-        # decodes only: every rank holds every token in global order already, so the queries need no gather
-        self.gathers_queries = bool(batch.is_prefill_cpu.any())
-        # every global row, written from the gathered K/V (kv_write_idx); each backend keeps the rows and writes
-        # over the keys this rank owns
-        meta = AttentionBatch(positions=batch.positions, query_start_loc_cpu=batch.query_start_loc_cpu,
-                              seq_lens_cpu=batch.seq_lens_cpu, block_table=batch.block_table,
-                              block_size=self.block_size,
-                              write_rows=torch.from_numpy(part.kv_write_idx).to(device)[writes],
-                              write_slots=real_slots[writes], kv_shard=self.kv_shard())
-        return LocalBatch(batch.input_ids[self.token_idx], torch.from_numpy(view.positions).to(device), meta)
+        self.exchanges = True
+        return self._global_rows(batch, part, view, real_slots, self.kv_shard())
 
     def kv_shard(self) -> KVShard:
         return KVShard(self.pcp.rank, self.pcp.size)
-
-    def kv_exchange(self, replicated_rows: bool = False) -> ShardedKVExchange:
-        if replicated_rows:  # rows on every rank: no query gather, every row merged
-            return ShardedKVExchange(_identity, self._merge_all)
-        return ShardedKVExchange(self._gather_queries if self.gathers_queries else self._pad_queries,
-                                 self._merge_local)
-
-    def _gather_queries(self, q: torch.Tensor) -> torch.Tensor:
-        assert self.part is not None
-        return restore(self.all_gather(pad_local(q, self.part)), self.part)  # [T_global(+padding), ...]
-
-    def _pad_queries(self, q: torch.Tensor) -> torch.Tensor:
-        assert self.part is not None
-        num_pad = self.part.num_tokens + self.part.num_padding - q.shape[0]
-        return torch.cat((q, q.new_zeros(num_pad, *q.shape[1:]))) if num_pad else q
-
-    def _merge_local(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-        """Each rank sends every other rank the partials of that rank's own tokens only (one all-to-all), and
-        merges the P partials of its tokens: [T_r, H, Dv]."""
-        packed = torch.cat((out.float(), lse[..., None]), dim=-1)[self.send_idx]  # [sum T_r, H, Dv + 1]
-        mine = self.send_counts[self.pcp.rank]
-        recv = self.pcp.all_to_all(packed, self.send_counts, [mine] * self.pcp.size)
-        self.bytes_gathered += recv.numel() * recv.element_size()
-        recv = recv.view(self.pcp.size, mine, *packed.shape[1:])
-        return merge_partials(recv[..., :-1], recv[..., -1])
-
-    def _merge_all(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-        """Rows on every rank (MTP's draft decodes): one all-gather of [T, H, Dv + 1] float32, every row merged."""
-        packed = self.all_gather(torch.cat((out.float(), lse[..., None]), dim=-1))
-        packed = packed.view(self.pcp.size, *out.shape[:-1], out.shape[-1] + 1)
-        return merge_partials(packed[..., :-1], packed[..., -1])
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def make_pcp_hooks(pcp: Group, block_size: int, kv_layout: str = "replicated") -> PCPHooks:
+def make_pcp_hooks(pcp: Group, block_size: int, kv_layout: str = "replicated",
+                   split_prompt_keys: bool = False) -> PCPHooks:
+    """`split_prompt_keys` (replicated layout): prompt steps attend over split keys (PartitionedPCPHooks)."""
     if pcp.size == 1:
         return PCPHooks(pcp, block_size)  # one rank owns every block: the layouts coincide
-    return ShardedKVPCPHooks(pcp, block_size) if kv_layout == "sharded" else PartitionedPCPHooks(pcp, block_size)
+    if kv_layout == "sharded":
+        return ShardedKVPCPHooks(pcp, block_size)
+    return PartitionedPCPHooks(pcp, block_size, split_prompt_keys)

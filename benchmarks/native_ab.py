@@ -9,15 +9,15 @@ minutes slows both alike. The measurements behind docs/kernels.md's A/B tables.
 attention: tandem/native/paged_attention.cpp, one line per (dtype, rows x queries x keys) case over 30 layers' caches;
 gemv: tandem/native/small_gemm.cpp's small_linear, one line per (dtype, rows, [N, K]) case over 30 distinct weights
 (SmolLM2-135M's projections). Each line: microseconds per call (the median of the rounds, each over the 30 inputs in
-turn, cold) before and after, their ratio, and whether the outputs are identical to the bit. gemv-sweep: the same
-kernel over a whole decode's projections (SmolLM2-135M's qkv, o, gate_up and down of 30 layers in turn, twice that
-in bfloat16: ~425 MB either way, past this VM's 300 MiB L3, so the weights come from DRAM as a decode's do), one line
-per (dtype, rows), in milliseconds a sweep. panel-sweep: tandem/native/panel_gemm.cpp's panel_linear (an x86 CPU with
-avx2) over the same sweep, float32 and bfloat16, at a decode's, a verification's and a batch's rows. amx-sweep: tandem/native/amx_gemm.cpp's amx_linear (a CPU with AMX-BF16)
-over the same bf16 sweep and, apart, SmolLM2-135M's LM head, at the rows of a decode batch and its verification
-(32-128), one line per (weights, rows). sdpa: this tree's attention against the engine's SDPA path on single bf16
-prompt rows of 256-2,048 queries, alone or as a chunk behind a longer prefix (the long rows a bf16 model on AMX sends
-the kernel), one line a row.
+turn, cold) before and after, their ratio, and whether the outputs are identical to the bit. gemv-sweep: the same kernel
+over a whole decode's projections (SmolLM2-135M's qkv, o, gate_up and down of 30 layers in turn, twice that in bfloat16:
+~425 MB either way, past this VM's 300 MiB L3, so the weights come from DRAM as a decode's do), one line per (dtype,
+rows), in milliseconds a sweep. panel-sweep: tandem/native/panel_gemm.cpp's panel_linear (an x86 CPU with avx2) over the
+same sweep, float32 and bfloat16, at a decode's, a verification's and a batch's rows. amx-sweep:
+tandem/native/amx_gemm.cpp's amx_linear (a CPU with AMX-BF16) over the same bf16 sweep and, apart, SmolLM2-135M's LM
+head, at the rows of a decode batch and its verification (32-128), one line per (weights, rows). sdpa: this tree's
+attention against the engine's SDPA path on single bf16 prompt rows of 256-2,048 queries, alone or as a chunk behind a
+longer prefix (the long rows a bf16 model on AMX sends the kernel), one line a row.
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ def panel_sweep(ops: dict[str, Any], rounds: int, row_counts: tuple[int, ...] = 
             xs = {k: torch.randn(rows, k).to(dtype) for _, k in SWEEP_SHAPES}
 
             def sweep(name: str, xs: dict[int, torch.Tensor] = xs, packed: list[torch.Tensor] = packed,
-                      ) -> torch.Tensor:
+                      shapes: list[tuple[int, int]] = shapes) -> torch.Tensor:
                 return torch.cat([ops[name].panel_linear(xs[k], p, n, None).flatten()
                                   for (n, k), p in zip(shapes, packed, strict=True)])
 

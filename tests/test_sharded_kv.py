@@ -77,6 +77,35 @@ def test_ownership_rule_partitions_every_rows_keys(pcp, block_size, seed, rows):
         assert (len(keep) == 1) == (owner_rank(int(table[0, 0]), pcp) == r)
 
 
+@settings(max_examples=40, deadline=None)
+@given(pcp=st.integers(2, 4), block_size=st.sampled_from([1, 4, 16]), seed=st.integers(0, 10_000),
+       rows=st.lists(st.tuples(st.integers(0, 600), st.integers(1, 700)), min_size=1, max_size=4))
+def test_split_keys_over_a_replicated_cache_partition_and_balance_every_row(pcp, block_size, seed, rows):
+    """The replicated layout's prompt steps (split_prompt_keys): each key a row sees is attended on exactly one rank,
+    at its own (global) slot, whatever block ids one pool handed out; the ranks' shares differ by at most a block;
+    a chunk of diag queries attends exactly the diag keys its last query sees."""
+    rng = np.random.default_rng(seed)
+    seq_lens = [s + q for s, q in rows]
+    qsl = np.concatenate([[0], np.cumsum([q for _, q in rows])])
+    positions = np.concatenate([np.arange(s, s + q) for s, q in rows])
+    width = max(-(-n // block_size) for n in seq_lens)
+    table = rng.permutation(len(rows) * width).reshape(len(rows), width)  # any ids: one pool, no parity
+    per_rank = [owned_plan(positions, qsl, np.array(seq_lens), table, block_size, r, pcp, "cpu",
+                           batch_short_rows=False, replicated=True)[1] for r in range(pcp)]
+    for i, n in enumerate(seq_lens):
+        pos = np.arange(n)
+        glob = table[i, pos // block_size] * block_size + pos % block_size
+        seen = sorted(s for r in range(pcp) for s in per_rank[r][i].shared_slots().tolist()
+                      + per_rank[r][i].diag_slots.tolist())
+        assert seen == sorted(glob.tolist()), "a key on no rank or on two"
+        counts = [per_rank[r][i].num_shared + per_rank[r][i].diag_slots.shape[0] for r in range(pcp)]
+        assert max(counts) - min(counts) <= block_size
+        for r in range(pcp):
+            row = per_rank[r][i]
+            for a, b, n in row.diag_chunks:
+                assert n == int(row.diag_visible[b - 1].sum()) and not row.diag_visible[a:b, n:].any()
+
+
 def test_block_pools_take_a_requests_blocks_round_robin():
     bm = BlockManager(num_blocks=12, block_size=4, enable_prefix_caching=True, num_pools=3)
     assert bm.pool_free_blocks() == [4, 4, 4]
@@ -128,8 +157,9 @@ def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, q_pos:
     return torch.einsum("hqs,shd->qhd", scores.softmax(-1), v)
 
 
-ROWS = [(0, 40), (37, 1), (100, 4), (4200, 3), (1200, 24)]  # (first query position, queries): chunks, decodes,
-# verification rows, and a decode long enough to read its keys in place
+ROWS = [(0, 40), (37, 1), (100, 4), (4200, 3), (1200, 24), (300, 600)]  # (first query position, queries): chunks,
+# decodes, verification rows, a decode long enough to read its keys in place, and a chunk whose diag queries
+# are attended in several pieces (sharded_kv.DIAG_CHUNK)
 
 
 def _sharded(pcp: int, block_size: int, seed: int):
@@ -179,7 +209,7 @@ def test_gqa_partials_over_owned_keys_merge_to_full_attention(pcp, block_size, h
         groups, rows = owned_plan(positions, qsl, np.array(seq_lens), table, block_size, r, pcp, "cpu")
         # the decode and short verification rows batched; the long verification row in place; chunks one by one
         assert groups and groups[0].token_idx.shape[0] == 2
-        assert [row.num_queries for row in rows] == [40, 3, 24] and rows[1].runs
+        assert [row.num_queries for row in rows] == [40, 3, 24, 600] and rows[1].runs
         cache = kv[r].view(2, -1, 1, hkv, d)  # [2, num_blocks, block_size=1, Hkv, D]: flatten(0, 1) = the slots
         o, lse = PagedSDPABackend.forward_sharded(q, q.new_zeros(0, hkv, d), q.new_zeros(0, hkv, d), cache,
                                                   _meta((groups, rows)), 0.3)
@@ -201,7 +231,10 @@ def test_gqa_partials_over_owned_keys_merge_to_full_attention(pcp, block_size, h
 
 @pytest.mark.parametrize("pcp,block_size", [(2, 16), (4, 4)])
 @pytest.mark.parametrize("lora", [16, 512])  # at 16 the chunks' keys are expanded, at 512 absorbed
-def test_mla_partials_over_owned_latents_merge_to_full_attention(pcp, block_size, lora):
+@pytest.mark.parametrize("replicated", [False, True], ids=["sharded", "replicated"])
+def test_mla_partials_over_owned_latents_merge_to_full_attention(pcp, block_size, lora, replicated):
+    """Sharded KV; and `replicated`: every rank holds every latent at its global slot and attends its split of
+    each row's keys (the replicated layout's prompt steps)."""
     seq_lens, positions, qsl, table = _sharded(pcp, block_size, seed=7)
     g = torch.Generator().manual_seed(1)
     heads, nope, rope, v_dim = 4, 8, 4, 8
@@ -211,10 +244,17 @@ def test_mla_partials_over_owned_latents_merge_to_full_attention(pcp, block_size
     q_nope = torch.randn(int(qsl[-1]), heads, nope, generator=g)
     q_pe = torch.randn(int(qsl[-1]), heads, rope, generator=g)
     slots = (table.max() // pcp + 1) * block_size
-    caches = _fill_caches(latents, table, seq_lens, block_size, pcp, slots)
+    if replicated:
+        full = latents.new_zeros((table.max() + 1) * block_size, lora + rope)
+        for i, n in enumerate(seq_lens):
+            pos = np.arange(n)
+            full[torch.from_numpy(table[i, pos // block_size] * block_size + pos % block_size)] = latents[i, :n]
+        caches = [full] * pcp
+    else:
+        caches = _fill_caches(latents, table, seq_lens, block_size, pcp, slots)
     outs, lses = [], []
     for r in range(pcp):
-        plan = owned_plan(positions, qsl, np.array(seq_lens), table, block_size, r, pcp, "cpu")
+        plan = owned_plan(positions, qsl, np.array(seq_lens), table, block_size, r, pcp, "cpu", replicated=replicated)
         assert plan[0], "the short rows are batched"
         o, lse = PagedMLABackend.forward_mla_sharded(torch.cat((q_nope, q_pe), -1), latents.new_zeros(0, lora + rope),
                                                      caches[r].view(-1, 1, lora + rope), _meta(plan),

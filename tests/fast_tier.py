@@ -37,6 +37,7 @@ FAST_FILES = (
     "tests/test_native_elementwise.py",
     "tests/test_native_small_gemm.py",
     "tests/test_pcp_index_math.py",
+    "tests/test_pcp_split_keys.py",
     "tests/test_plots.py",
     "tests/test_prefix_caching.py",
     "tests/test_prometheus.py",

@@ -60,16 +60,17 @@ def test_long_prompt_key_reads_agree(long_reference, monkeypatch):
     _assert_same(_run(path, prompts), ref, f"{arch} gather + absorbed")
 
 
-def test_long_prompt_pcp2_with_a_sharded_mtp_drafter_gives_the_single_ranks_tokens(tiny_checkpoints):
+@pytest.mark.parametrize("pcp", [2, 4])
+def test_long_prompt_pcp_with_a_sharded_mtp_drafter_gives_the_single_ranks_tokens(tiny_checkpoints, pcp):
     """MLA under replicated PCP splits the keys of prompt steps whose rows see two keys a query or more (every query
-    over every other block, partials merged by LSE; worker/pcp_hooks.py); an MTP drafter sharded like the target runs
-    its step 0 on the same split. Greedy drafting at PCP=2 gives no-spec's single-rank tokens."""
+    over every P-th block, partials merged by LSE; worker/pcp_hooks.py); an MTP drafter sharded like the target runs
+    its step 0 on the same split. Greedy drafting at PCP=2 and 4 gives no-spec's single-rank tokens."""
     path = str(tiny_checkpoints("deepseek_v3", overrides=OVERRIDES, num_mtp_layers=1))
     prompts = random_prompts([1200, 300, 40], vocab_size=500, seed=9)
     engine = {"dtype": "float32", "max_num_batched_tokens": 256, "max_model_len": 1400}
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     tokens = {}
-    for name, kwargs in (("single rank", {}), ("PCP=2 + MTP", {"prefill_context_parallel_size": 2,
+    for name, kwargs in (("single rank", {}), ("PCP + MTP", {"prefill_context_parallel_size": pcp,
                          "speculative_config": {"method": "mtp", "num_speculative_tokens": 2}})):
         llm = LLM(path, **engine, **kwargs)
         try:
@@ -77,4 +78,4 @@ def test_long_prompt_pcp2_with_a_sharded_mtp_drafter_gives_the_single_ranks_toke
         finally:
             llm.shutdown()
         tokens[name] = [o.outputs[0].token_ids for o in outs]
-    assert tokens["PCP=2 + MTP"] == tokens["single rank"]
+    assert tokens["PCP + MTP"] == tokens["single rank"]

@@ -56,7 +56,7 @@ class OwnedRow:
     # long rows: (first query, end query, diag keys visible to the end's last query) per chunk of DIAG_CHUNK queries.
     # The diag keys lie in position order, so a chunk attends only the first ones: under the position mask the
     # whole [Q, n_d] square cost twice the visible half (2,048 queries over 1,024 owned keys a prompt step)
-    diag_chunks: tuple[tuple[int, int, int], ...] = ()
+    diag_chunks: tuple[tuple[int, int, int], ...]
 
     @property
     def num_shared(self) -> int:
@@ -194,7 +194,7 @@ def _masked_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             v = torch.nn.functional.pad(v, (0, q.shape[-1] - dv))
         bias = row.diag_bias.to(q.dtype)
         outs, lses = [], []
-        for a, b, n in row.diag_chunks or ((0, q.shape[2], k.shape[2]),):
+        for a, b, n in row.diag_chunks:
             if n == 0:  # these queries see no diag key (diag_blind below)
                 outs.append(q.new_zeros(*q.shape[:2], b - a, q.shape[-1]))
                 lses.append(q.new_full((*q.shape[:2], b - a), NEG_INF, dtype=torch.float32))
@@ -203,8 +203,7 @@ def _masked_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                 q[:, :, a:b], k[:, :, :n], v[:, :, :n], attn_mask=bias[None, None, a:b, :n], scale=scale)[:2]
             outs.append(o)
             lses.append(lse.float())
-        out = torch.cat(outs, dim=2)[..., :dv] if len(outs) > 1 else outs[0][..., :dv]
-        lse = torch.cat(lses, dim=2) if len(lses) > 1 else lses[0]
+        out, lse = torch.cat(outs, dim=2)[..., :dv], torch.cat(lses, dim=2)
     else:
         scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
         scores = scores.masked_fill(~row.diag_visible, NEG_INF)

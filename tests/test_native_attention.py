@@ -121,20 +121,29 @@ def test_prompt_rows_equal_float64_reference(seed, shape, dtype, isa):
 
 
 @pytest.mark.parametrize(("dtype", "isa"), PATHS)
-def test_a_query_gives_the_same_bits_in_a_decode_row_and_in_a_verification_row(dtype, isa):
+@pytest.mark.parametrize("shape", ["gqa", "mla"])
+def test_a_query_gives_the_same_bits_in_a_decode_row_and_in_a_verification_row(dtype, isa, shape):
     """Greedy speculation equals no-spec only if a verification row's queries give the bits their decodes would: the
-    last query of rows of 1-6 and 32 queries (GQA, 9 query heads over 3 KV heads, one chunk) against that query
-    alone."""
+    last query of rows of 1-6 and 32 queries against that query alone. GQA: 9 query heads over 3 KV heads of 64;
+    MLA: 4 heads over one 576-wide latent whose first 512 channels are the values (a view), where the queries of a
+    row are weighted four at a time."""
     g = torch.Generator().manual_seed(3)
     s = 150
-    k, v = torch.randn(s + 16, 3, 64, generator=g).to(dtype), torch.randn(s + 16, 3, 64, generator=g).to(dtype)
+    if shape == "gqa":
+        hq, dk, dv = 9, 64, 64
+        k, v = torch.randn(s + 16, 3, dk, generator=g).to(dtype), torch.randn(s + 16, 3, dv, generator=g).to(dtype)
+    else:
+        hq, dk, dv = 4, 576, 512
+        k = torch.randn(s + 16, 1, dk, generator=g).to(dtype)
+        v = k[..., :dv]
     table = torch.arange((s + 15) // BLOCK)[None].int()
-    q = torch.randn(32, 9, 64, generator=g).to(dtype)
+    q = torch.randn(32, hq, dk, generator=g).to(dtype)
     outs = []
     for n in (*range(1, 7), 32):
         rows = torch.tensor([[0, 0, n, s, 0]], dtype=torch.int32)
-        out, lse = torch.zeros(n, 9, 64, dtype=dtype), torch.zeros(n, 9)
-        native.paged_attention(q[32 - n:], k, v, table, rows, torch.arange(s - n, s), BLOCK, 0.125, out, lse, isa)
+        out, lse = torch.zeros(n, hq, dv, dtype=dtype), torch.zeros(n, hq)
+        native.paged_attention(q[32 - n:], k, v, table, rows, torch.arange(s - n, s), BLOCK, dk**-0.5, out, lse,
+                               isa)
         outs.append((out[-1], lse[-1]))
     for out, lse in outs[1:]:
         assert torch.equal(out, outs[0][0]) and torch.equal(lse, outs[0][1])

@@ -201,13 +201,14 @@ inline void dot4x4(const float* q, int64_t q_stride, const float* k0, const floa
 // the same bits as weighted_cols over its own width).
 inline void weighted_cols4(const float* p, int64_t p_stride, const float* base, const int64_t* off, int64_t w,
                            int64_t d, float* acc, int64_t acc_stride) {
+#ifdef __AVX512F__
   f32x16 a[4][4] = {};
   for (int64_t s = 0; s < w; ++s) {
     const float* v = base + off[s] + d;
     const f32x16 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
 #pragma GCC unroll 4
     for (int64_t r = 0; r < 4; ++r) {
-      const f32x16 ps = f32x16{} + p[r * p_stride + s];
+      const f32x16 ps = splat16(p[r * p_stride + s]);
       a[r][0] += ps * v0;
       a[r][1] += ps * v1;
       a[r][2] += ps * v2;
@@ -215,6 +216,19 @@ inline void weighted_cols4(const float* p, int64_t p_stride, const float* base, 
     }
   }
   for (int64_t r = 0; r < 4; ++r) std::memcpy(acc + r * acc_stride + d, &a[r][0], sizeof(a[r]));
+#else
+  // avx2's 16 registers hold four queries' sums of 16 columns (8), the values (2) and a probability: the 64
+  // columns in four passes over the keys, each value line still read once for all four queries
+  for (int64_t c = d; c < d + 64; c += 16) {
+    f32x16 a[4] = {};
+    for (int64_t s = 0; s < w; ++s) {
+      const f32x16 v = load16(base + off[s] + c);
+#pragma GCC unroll 4
+      for (int64_t r = 0; r < 4; ++r) a[r] += (splat16(p[r * p_stride + s])) * v;
+    }
+    for (int64_t r = 0; r < 4; ++r) std::memcpy(acc + r * acc_stride + c, &a[r], sizeof(a[r]));
+  }
+#endif
 }
 
 // acc[d:d + cols] = sum_s p[s] * (base + off[s])[d:d + cols], cols = 64, 16 or a tail under 16: the output block
@@ -225,7 +239,7 @@ inline void weighted_cols(const float* p, const float* base, const int64_t* off,
     f32x16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
     for (int64_t s = 0; s < w; ++s) {
       const float* v = base + off[s] + d;
-      const f32x16 ps = f32x16{} + p[s];
+      const f32x16 ps = splat16(p[s]);
       a0 += ps * load16(v);
       a1 += ps * load16(v + 16);
       a2 += ps * load16(v + 32);
@@ -237,7 +251,7 @@ inline void weighted_cols(const float* p, const float* base, const int64_t* off,
     std::memcpy(acc + d + 48, &a3, sizeof(a3));
   } else if (cols == 16) {
     f32x16 a0 = {};
-    for (int64_t s = 0; s < w; ++s) a0 += (f32x16{} + p[s]) * load16(base + off[s] + d);
+    for (int64_t s = 0; s < w; ++s) a0 += splat16(p[s]) * load16(base + off[s] + d);
     std::memcpy(acc + d, &a0, sizeof(a0));
   } else {
     for (int64_t c = d; c < d + cols; ++c) {
@@ -743,7 +757,7 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
         const int64_t j0 = g * r * n, j1 = (g + 1) * r * n;
         // queries taken four at a time (wide values, avx512): zero each one's probabilities up to the widest of
         // its four, which then all run that many keys
-        const int64_t quads = kBlock4x4 && dk > kWideKey && dv >= 64 ? (j1 - j0) / 4 : 0;
+        const int64_t quads = dk > kWideKey && dv >= 64 ? (j1 - j0) / 4 : 0;
         for (int64_t qd = 0; qd < quads; ++qd) {
           const int64_t j = j0 + 4 * qd;
           const int64_t wmax = std::max({width_of[j], width_of[j + 1], width_of[j + 2], width_of[j + 3]});

@@ -89,6 +89,17 @@ inline f32x16 load16_bf16(const unsigned short* p) { return {widen8_bf16(p), wid
 inline f32x8 fold16(const f32x16& v) { return v.lo + v.hi; }
 #endif
 
+// s in every lane: a broadcast (`f32x16{} + s` computed 0 + s first, a scalar add before each broadcast, since
+// -0.0 + 0 is +0; the same lanes for every s but -0.0)
+inline f32x16 splat16(float s) {
+#ifdef __AVX512F__
+  return f32x16{s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s};
+#else
+  const f32x8 v = {s, s, s, s, s, s, s, s};
+  return {v, v};
+#endif
+}
+
 static_assert(sizeof(f32x16) == 16 * sizeof(float), "f32x16 is sixteen contiguous floats (kernels memcpy it out)");
 
 inline float hsum(const f32x16& v) {

@@ -2,11 +2,15 @@
 side by side under their own op namespaces and called in alternating order, so a machine whose speed drifts between
 minutes slows both alike. The measurements behind docs/kernels.md's A/B tables.
 
-    python benchmarks/native_ab.py {attention,gemv,gemv-sweep,panel-sweep,amx-sweep} REV [--threads 2] [--rounds 6]
+    python benchmarks/native_ab.py {attention,experts,gemv,gemv-sweep,panel-sweep,amx-sweep} REV [--threads 2]
+        [--rounds 6]
     python benchmarks/native_ab.py panel-sweep REV [--rows 1 4 8] [--threads 2] [--rounds 6]
     python benchmarks/native_ab.py sdpa [--rounds 6]
 
-attention: tandem/native/paged_attention.cpp, one line per (dtype, rows x queries x keys) case over 30 layers' caches;
+attention: tandem/native/paged_attention.cpp, one line per (dtype, rows x queries x keys) case over 30 layers' caches
+(SmolLM2's GQA heads, and the bundled model's MLA: 4 heads over one 576-wide latent whose first 512 are the values);
+experts: small_gemm.cpp's moe_experts at the bundled model's shapes (8 experts, top-2, hidden 256, 128 inner) over 30
+layers' expert weights, at 1 and 32 tokens;
 gemv: tandem/native/small_gemm.cpp's small_linear, one line per (dtype, rows, [N, K]) case over 30 distinct weights
 (SmolLM2-135M's projections). Each line: microseconds per call (the median of the rounds, each over the 30 inputs in
 turn, cold) before and after, their ratio, and whether the outputs are identical to the bit. gemv-sweep: the same kernel
@@ -39,10 +43,11 @@ from tandem.native import ISA_FLAGS
 
 NATIVE = Path(__file__).resolve().parent.parent / "tandem" / "native"
 LAYERS, BLOCK = 30, 16
-SOURCES = {"attention": "paged_attention.cpp", "gemv": "small_gemm.cpp", "gemv-sweep": "small_gemm.cpp",
-           "amx-sweep": "amx_gemm.cpp", "panel-sweep": "panel_gemm.cpp"}
+SOURCES = {"attention": "paged_attention.cpp", "experts": "small_gemm.cpp", "gemv": "small_gemm.cpp",
+           "gemv-sweep": "small_gemm.cpp", "amx-sweep": "amx_gemm.cpp", "panel-sweep": "panel_gemm.cpp"}
 # sources a kernel calls into (silu_mul; amx_ready), where the revision has them
-HELPERS = {"attention": ("amx_gemm.cpp",), "gemv": ("elementwise.cpp",), "gemv-sweep": ("elementwise.cpp",),
+HELPERS = {"attention": ("amx_gemm.cpp",), "experts": ("elementwise.cpp",), "gemv": ("elementwise.cpp",),
+           "gemv-sweep": ("elementwise.cpp",),
            "amx-sweep": (), "panel-sweep": ()}
 # (queries' dtype, cache's dtype, rows, queries a row, keys a row): SmolLM2's heads (9 query / 3 KV heads x 64)
 CASES = [(torch.bfloat16, torch.bfloat16, 32, 1, 80), (torch.bfloat16, torch.bfloat16, 32, 1, 512),
@@ -51,6 +56,9 @@ CASES = [(torch.bfloat16, torch.bfloat16, 32, 1, 80), (torch.bfloat16, torch.bfl
          (torch.bfloat16, torch.float8_e4m3fn, 32, 1, 80),
          (torch.float32, torch.float32, 32, 1, 80), (torch.float32, torch.float32, 32, 1, 512),
          (torch.float32, torch.float32, 32, 64, 64)]
+# the same for MLA's latents (the bundled model's 4 heads): a batch-32 decode, a K = 3 verification
+MLA_CASES = [(torch.float32, torch.float32, 32, 1, 130), (torch.float32, torch.float32, 4, 4, 200)]
+EXPERT_TOKENS = (1, 32)
 # (dtype, rows of x, N, K): SmolLM2-135M's qkv, o, gate_up and down projections at a decode's few rows
 GEMV_CASES = [(dtype, rows, n, k) for dtype, rows in ((torch.bfloat16, 1), (torch.float32, 1), (torch.float32, 4))
               for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536))]
@@ -95,17 +103,19 @@ def build(name: str, source: str, folder: Path, rev: str | None, helpers: tuple[
 
 
 def inputs(dtype: torch.dtype, kv_dtype: torch.dtype, rows: int, nq: int, keys: int, hq: int = 9, hkv: int = 3,
-           d: int = 64) -> tuple:
-    """q [rows * nq, hq, d]; LAYERS caches [slots, hkv, d] behind one random block table; rows, positions, out, lse."""
+           d: int = 64, dv: int | None = None) -> tuple:
+    """q [rows * nq, hq, d]; LAYERS caches [slots, hkv, d] behind one random block table; rows, positions, out, lse.
+    dv (MLA): the values are a view of each cache's first dv channels."""
     blocks = (keys + BLOCK - 1) // BLOCK
     slots = (rows * blocks + 1) * BLOCK
     ks = [torch.randn(slots, hkv, d).to(kv_dtype) for _ in range(LAYERS)]
-    vs = [torch.randn(slots, hkv, d).to(kv_dtype) for _ in range(LAYERS)]
+    vs = [k[..., :dv] for k in ks] if dv else [torch.randn(slots, hkv, d).to(kv_dtype) for _ in range(LAYERS)]
     table = (torch.randperm(rows * blocks) + 1).int().view(rows, blocks).contiguous()
     q = torch.randn(rows * nq, hq, d).to(dtype)
     row_table = torch.tensor([[i, i * nq, nq, keys, 0] for i in range(rows)], dtype=torch.int32)
     positions = torch.tensor([keys - nq + j for _ in range(rows) for j in range(nq)], dtype=torch.int64)
-    return q, ks, vs, table, row_table, positions, torch.empty_like(q), torch.empty(rows * nq, hq)
+    out = torch.empty(rows * nq, hq, dv or d, dtype=dtype)
+    return q, ks, vs, table, row_table, positions, out, torch.empty(rows * nq, hq)
 
 
 def alternate(rounds: int, call: Callable[[str], torch.Tensor | tuple[torch.Tensor, ...]],
@@ -132,11 +142,33 @@ def attention_layers(ops: dict[str, Any], args: tuple, name: str) -> tuple[torch
 
 
 def attention(ops: dict[str, Any], rounds: int) -> None:
-    for dtype, kv_dtype, rows, nq, keys in CASES:
-        before, after, same = alternate(rounds, partial(attention_layers, ops, inputs(dtype, kv_dtype, rows, nq, keys)))
+    cases = [(c, {}) for c in CASES] + [(c, {"hq": 4, "hkv": 1, "d": 576, "dv": 512}) for c in MLA_CASES]
+    for (dtype, kv_dtype, rows, nq, keys), heads in cases:
+        args = inputs(dtype, kv_dtype, rows, nq, keys, **heads)
+        before, after, same = alternate(rounds, partial(attention_layers, ops, args))
         kv = str(kv_dtype).removeprefix("torch.")
-        print(f"{str(dtype).removeprefix('torch.')} q, {kv} cache, {rows} x {nq} x {keys}: before {before:.1f} us, "
-              f"after {after:.1f} us, after / before {after / before:.2f}, identical {same}", flush=True)
+        print(f"{'MLA, ' if heads else ''}{str(dtype).removeprefix('torch.')} q, {kv} cache, {rows} x {nq} x {keys}: "
+              f"before {before:.1f} us, after {after:.1f} us, after / before {after / before:.2f}, identical {same}",
+              flush=True)
+
+
+def experts(ops: dict[str, Any], rounds: int) -> None:
+    """The routed experts at the bundled model's shapes, LAYERS layers' weights in turn (cold, ~3 MB a layer)."""
+    num_experts, hidden, inner, top_k = 8, 256, 128, 2
+    w13 = [torch.randn(num_experts, 2 * inner, hidden) * 0.05 for _ in range(LAYERS)]
+    w2 = [torch.randn(num_experts, hidden, inner) * 0.05 for _ in range(LAYERS)]
+    for tokens in EXPERT_TOKENS:
+        x = torch.randn(tokens, hidden)
+        weights, ids = torch.randn(tokens, num_experts).softmax(-1).topk(top_k)
+
+        def layers(name: str, x: torch.Tensor = x, ids: torch.Tensor = ids, weights: torch.Tensor = weights,
+                   ) -> torch.Tensor:
+            return torch.stack([ops[name].moe_experts(x, a, b, ids.contiguous(), weights.contiguous(), 0)
+                                for a, b in zip(w13, w2, strict=True)])
+
+        before, after, same = alternate(rounds, layers)
+        print(f"experts, {tokens} tokens: before {before:.1f} us, after {after:.1f} us, after / before "
+              f"{after / before:.2f}, identical {same}", flush=True)
 
 
 def sdpa_row(n: int, keys: int, rounds: int) -> None:
@@ -266,8 +298,9 @@ def main() -> None:
     if args.kernel == "panel-sweep":
         panel_sweep(ops, args.rounds, tuple(args.rows or PANEL_ROWS))
         return
-    {"attention": attention, "gemv": gemv, "gemv-sweep": gemv_sweep, "amx-sweep": amx_sweep}[args.kernel](
-        ops, args.rounds)
+    kernels = {"attention": attention, "experts": experts, "gemv": gemv, "gemv-sweep": gemv_sweep,
+               "amx-sweep": amx_sweep}
+    kernels[args.kernel](ops, args.rounds)
 
 
 if __name__ == "__main__":

@@ -224,7 +224,7 @@ inline void weighted_cols4(const float* p, int64_t p_stride, const float* base, 
     for (int64_t s = 0; s < w; ++s) {
       const f32x16 v = load16(base + off[s] + c);
 #pragma GCC unroll 4
-      for (int64_t r = 0; r < 4; ++r) a[r] += (splat16(p[r * p_stride + s])) * v;
+      for (int64_t r = 0; r < 4; ++r) a[r] += splat16(p[r * p_stride + s]) * v;
     }
     for (int64_t r = 0; r < 4; ++r) std::memcpy(acc + r * acc_stride + c, &a[r], sizeof(a[r]));
   }
@@ -755,7 +755,7 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
       // stay in L1 across the queries
       for (int64_t g = 0; g < hkv; ++g) {
         const int64_t j0 = g * r * n, j1 = (g + 1) * r * n;
-        // queries taken four at a time (wide values, avx512): zero each one's probabilities up to the widest of
+        // queries taken four at a time (wide values): zero each one's probabilities up to the widest of
         // its four, which then all run that many keys
         const int64_t quads = dk > kWideKey && dv >= 64 ? (j1 - j0) / 4 : 0;
         for (int64_t qd = 0; qd < quads; ++qd) {

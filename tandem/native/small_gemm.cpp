@@ -80,7 +80,8 @@ inline void block(const T* const* x, const T* const* w, int64_t k, float* out, i
 
 // block<> for mr = 1..4 rows of x against kWeightRows weight rows, the tile's rows kWeightRows apart. avx2 runs it as
 // 2 x 2 blocks: a 4 x 4 block's 16 sums are 32 of its 16 registers, so every step spilled them to the stack (a MoE
-// layer's experts at 32 tokens: 477 -> 170 us). Each output is the same chain over k either way: the same bits.
+// layer's experts at 32 tokens, with the prefetch below: 404 -> 280 us, benchmarks/native_ab.py experts). Each
+// output is the same chain over k either way: the same bits.
 template <typename T>
 inline void block_rows(int64_t mr, const T* const* x, const T* const* w, int64_t k, float* tile) {
 #ifdef __AVX512F__

@@ -24,4 +24,3 @@ def test_a_chunk_behind_its_prefix_splits_and_a_fresh_prompt_does_not():
     assert splits_keys(_Batch([(40, 4040, True), (1, 300, False)]))  # a short chunk behind a long cached prefix
     assert not splits_keys(_Batch([(100, 100, True)] * 20 + [(1, 90, False)] * 12))  # GSM8K-sized prompts
     assert not splits_keys(_Batch([(1, 9000, False), (4, 500, False)]))  # decode and verification rows attend locally
-
